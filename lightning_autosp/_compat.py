@@ -1,0 +1,8 @@
+"""Every torch version gate of the package lives here."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+# torch >= 2.10 renamed reduce_scatter_tensor (the old name warns on every call).
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -1,0 +1,111 @@
+"""Plain functions that the SP pass calls from the rewritten graph.
+
+They run (and are traced by AOT autograd) with local tensors and global SymInts. Keeping them
+here, rather than emitting long chains of nodes, keeps the rewritten graph readable: one
+``call_function`` per redistribution.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from lightning_autosp import ops
+
+
+def _is(v, k: int) -> bool:
+    return isinstance(v, int) and v == k
+
+
+def shard_slice(x: torch.Tensor, dim: int, outer, seq_len, inner, start, length) -> torch.Tensor:
+    """Replicate -> Shard: keep sequence positions ``[start, start + length)`` of ``x``.
+
+    ``x.shape[dim]`` is ``outer * seq_len * inner`` (global sizes).
+    """
+    if _is(outer, 1) and _is(inner, 1):
+        return x.narrow(dim, start, length).contiguous()
+    y = x.unflatten(dim, (outer, seq_len, inner))  # [.., outer, seq, inner, ..]
+    return y.narrow(dim + 1, start, length).flatten(dim, dim + 2)  # [.., outer*length*inner, ..]
+
+
+def sizes(*dims):
+    """``x.size()`` of a sharded tensor, with the global sequence length."""
+    return tuple(dims)
+
+
+def _pad_dim(x: torch.Tensor, dim: int, left, right) -> torch.Tensor:
+    parts = []
+    if not (isinstance(left, int) and left == 0):
+        shape = list(x.shape)
+        shape[dim] = left
+        parts.append(x.new_zeros(shape))
+    parts.append(x)
+    if not (isinstance(right, int) and right == 0):
+        shape = list(x.shape)
+        shape[dim] = right
+        parts.append(x.new_zeros(shape))
+    return torch.cat(parts, dim=dim) if len(parts) > 1 else x
+
+
+def shard_gather(
+    x: torch.Tensor, dim: int, outer, inner, off: int, length, left_pad, right_pad, group_name: str, group_size: int
+) -> torch.Tensor:
+    """Shard -> Replicate: all-gather the sequence axis held in ``dim``.
+
+    ``dim`` holds ``(outer, seq, inner)`` flattened. The local part is first padded to this
+    rank's full base chunk (``left_pad``/``right_pad`` positions, non-zero only on the
+    first/last rank of a tensor sliced on the sequence), then the chunks are gathered in
+    rank order and the ``[off, off + length)`` window of the base sequence is cut out.
+    """
+    if _is(outer, 1) and _is(inner, 1) and off == 0 and _is(left_pad, 0) and _is(right_pad, 0):
+        return ops.all_gather(x, dim, group_name, group_size)
+    y = x.unflatten(dim, (outer, -1, inner))  # [.., outer, len_r, inner, ..]
+    y = _pad_dim(y, dim + 1, left_pad, right_pad)  # [.., outer, c, inner, ..]
+    y = ops.all_gather(y, dim + 1, group_name, group_size)  # [.., outer, s, inner, ..]
+    return y.narrow(dim + 1, off, length).flatten(dim, dim + 2)  # [.., outer*length*inner, ..]
+
+
+def reduce_sum(x: torch.Tensor, dims, keepdim: bool, group_name: str, group_size: int, dtype=None) -> torch.Tensor:
+    """Sum over dims that include the sharded sequence axis: local sum, then all-reduce."""
+    local = x.sum(dim=dims, keepdim=keepdim, dtype=dtype) if dims is not None else x.sum(dtype=dtype)
+    return ops.all_reduce(local, group_name, group_size)
+
+
+def reduce_mean(x: torch.Tensor, dims, keepdim: bool, count, group_name: str, group_size: int, dtype=None) -> torch.Tensor:
+    """Mean over dims that include the sharded axis; ``count`` is the global number of elements."""
+    return reduce_sum(x, dims, keepdim, group_name, group_size, dtype) / count
+
+
+def token_loss(
+    kind: str,
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    group_name: str,
+    group_size: int,
+) -> torch.Tensor:
+    """``cross_entropy``/``nll_loss`` (``kind``) over a sequence-sharded batch, combined over the SP group.
+
+    ``mean`` is token-weighted exactly as on one device: the summed loss and the summed
+    weight of the targets that are not ``ignore_index`` are all-reduced, then divided.
+    """
+    if kind == "cross_entropy":
+        total = F.cross_entropy(
+            input, target, weight=weight, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing
+        )
+    else:
+        total = F.nll_loss(input, target, weight=weight, ignore_index=ignore_index, reduction="sum")
+    if reduction == "sum":
+        return ops.all_reduce(total, group_name, group_size)
+    valid = target != ignore_index
+    if weight is None:
+        denom = valid.sum().to(total.dtype)
+    else:
+        denom = (weight[target.clamp(min=0)] * valid).sum().to(total.dtype)
+    both = ops.all_reduce(torch.stack([total, denom]), group_name, group_size)  # [2]
+    return both[0] / both[1]
