@@ -1,0 +1,272 @@
+"""``AutoSPStrategy``: DeepSpeed-Ulysses sequence parallelism for unmodified Lightning modules."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils._pytree import tree_leaves
+from typing_extensions import override
+
+from lightning_autosp.compile import SUPPORTED_BACKENDS, AutoSPBackend
+from lightning_autosp.errors import AutoSPError
+from lightning_autosp.layout import SPLayout, validate_layout, validate_sp_size
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AutoSPStrategy"]
+
+_COMPILED_STEPS = ("training_step", "validation_step")
+
+
+class AutoSPStrategy(DDPStrategy):
+    """Sequence parallelism (DeepSpeed-Ulysses) applied by a compiler pass, on top of DDP.
+
+    The world is a ``(dp, sp)`` grid: each SP group of ``sp_size`` contiguous ranks (inside one
+    node) splits every sequence of its batch; SP groups are data-parallel replicas that see
+    disjoint samples. In ``setup`` the module's ``training_step`` and ``validation_step`` are
+    compiled with the AutoSP backend, which rewrites the Dynamo graph (all-to-all around every
+    ``F.scaled_dot_product_attention``, positions, label shifts and losses made right for each
+    shard) before AOT autograd and ``compile_backend``. The loss a step returns and logs is the
+    full-sequence loss, and gradients are those of one device on the full sequences.
+
+    Args:
+        sp_size: ranks per SP group. Must divide the devices per node (and so the world size).
+            ``None`` uses one SP group per node (``sp_size = devices``).
+        compile_backend: the ``torch.compile`` backend run after the SP pass: ``"inductor"``
+            (default), ``"aot_eager"`` (fast to compile, used by the tests) or ``"eager"``.
+        sac: sequence-aware activation checkpointing. Accepted now; the SAC pass is not
+            implemented yet, so this currently changes nothing.
+        seq_dim: the sequence dim of the batch's tensors (``[B, S]`` token ids: 1).
+        **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument
+            (``process_group_backend``, ``start_method``, ``timeout``, DDP kwargs such as
+            ``find_unused_parameters``...).
+
+    The module can read its place in the layout from ``self.trainer.strategy``
+    (:attr:`sp_size`, :attr:`sp_rank`, :attr:`sp_group`, :attr:`dp_size`, :attr:`dp_rank`,
+    :attr:`dp_group`) or ``self.device_mesh`` (dims ``"dp"`` and ``"sp"``).
+    """
+
+    strategy_name = "autosp"
+
+    def __init__(
+        self,
+        sp_size: Optional[int] = None,
+        compile_backend: str = "inductor",
+        sac: bool = True,
+        seq_dim: int = 1,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        ddp_comm_state: Optional[object] = None,
+        ddp_comm_hook: Optional[Callable] = None,
+        ddp_comm_wrapper: Optional[Callable] = None,
+        model_averaging_period: Optional[int] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        validate_sp_size(sp_size)
+        if compile_backend not in SUPPORTED_BACKENDS:
+            raise ValueError(
+                f"AutoSPStrategy(compile_backend={compile_backend!r}): choose one of {list(SUPPORTED_BACKENDS)}."
+            )
+        if not isinstance(seq_dim, int) or seq_dim < 1:
+            raise ValueError(
+                f"AutoSPStrategy(seq_dim={seq_dim!r}): the sequence dim must be an int >= 1 (dim 0 is the batch)."
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper,
+            model_averaging_period=model_averaging_period,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+        self._sp_size_arg = sp_size
+        self.compile_backend = compile_backend
+        self.sac = sac
+        self.seq_dim = seq_dim
+        self._device_mesh: Optional["DeviceMesh"] = None
+        self._backends: dict[str, AutoSPBackend] = {}
+        self._checked: set[str] = set()
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def sp_size(self) -> int:
+        return self._sp_size_arg if self._sp_size_arg is not None else max(self.num_processes, 1)
+
+    @property
+    def layout(self) -> SPLayout:
+        return SPLayout(self.num_nodes * self.num_processes, self.sp_size)
+
+    @property
+    def sp_rank(self) -> int:
+        return self.layout.sp_rank(self.global_rank)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.dp_rank(self.global_rank)
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp_size
+
+    @property
+    def device_mesh(self) -> "DeviceMesh":
+        if self._device_mesh is None:
+            raise RuntimeError("AutoSPStrategy.device_mesh is available after the process group is set up (in `setup`).")
+        return self._device_mesh
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup:
+        return self.device_mesh.get_group("sp")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.device_mesh.get_group("dp")
+
+    def _validate_layout(self) -> SPLayout:
+        return validate_layout(self.sp_size, self.num_nodes * self.num_processes, self.num_processes)
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._validate_layout()  # fail in the launching process, before any worker starts
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        layout = self._validate_layout()
+        super().setup_environment()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, (layout.dp_size, layout.sp_size), mesh_dim_names=("dp", "sp")
+        )
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+        rank_zero_info(
+            f"AutoSP: {layout.world_size} processes as dp={layout.dp_size} x sp={layout.sp_size}; "
+            f"SP groups {layout.all_sp_groups()}"
+        )
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every rank of an SP group reads the same samples; SP groups read disjoint ones
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    # ------------------------------------------------------------------ compile
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        super().setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        group_name = self.sp_group.group_name
+        for name in _COMPILED_STEPS:
+            if name in module.__dict__:  # compiled already by an earlier stage
+                continue
+            backend = AutoSPBackend(
+                sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=group_name, seq_dim=self.seq_dim, backend=self.compile_backend
+            )
+            self._backends[name] = backend
+            setattr(module, name, _compiled_step(getattr(module, name), backend))
+        log.debug("AutoSP: compiled %s with backend %s", _COMPILED_STEPS, self.compile_backend)
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None:
+            for name in _COMPILED_STEPS:
+                module.__dict__.pop(name, None)
+        self._backends.clear()
+        self._checked.clear()
+        super().teardown()
+
+    def _prepare_batch(self, batch: Any, step: str) -> None:
+        """Check the sequence length and mark it dynamic, so one compile serves every length."""
+        leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > self.seq_dim]
+        if not leaves:
+            return
+        seq_len = leaves[0].shape[self.seq_dim]
+        if seq_len % self.sp_size:
+            raise ValueError(
+                f"AutoSPStrategy: the batch's sequence length {seq_len} (dim {self.seq_dim}) is not divisible by "
+                f"sp_size={self.sp_size}. Pad sequences to a multiple of {self.sp_size} (e.g. in your collate_fn)."
+            )
+        backend = self._backends.get(step)
+        shift = backend.max_shift if backend is not None else 0
+        if seq_len // self.sp_size <= max(shift, 1):
+            raise ValueError(
+                f"AutoSPStrategy: sequence length {seq_len} gives each of the {self.sp_size} SP ranks only "
+                f"{seq_len // self.sp_size} tokens; it needs more than {max(shift, 1)}. Use longer sequences or a smaller sp_size."
+            )
+        for t in leaves:
+            if t.shape[self.seq_dim] == seq_len:
+                torch._dynamo.mark_dynamic(t, self.seq_dim)
+
+    def _check_rewritten(self, step: str) -> None:
+        if step in self._checked or step not in self._backends:
+            return
+        backend = self._backends[step]
+        if backend.sdpa_rewritten == 0:
+            raise AutoSPError(
+                f"AutoSP found no attention to parallelize in `{type(self.lightning_module).__name__}.{step}`: "
+                "sequence parallelism splits attention heads across the SP group, so the model must call "
+                "`torch.nn.functional.scaled_dot_product_attention` (for Hugging Face models: "
+                "attn_implementation='sdpa'). Hand-written attention (softmax(q @ k.T)) is not supported."
+            )
+        for g in backend.graphs:
+            if g.fallbacks:
+                log.warning("AutoSP ran %d op(s) of %s replicated: %s", len(g.fallbacks), step, "; ".join(g.fallbacks))
+        self._checked.add(step)
+
+    def _run_step(self, step: str, parent: Callable, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            self._prepare_batch(args[0], step)
+        out = parent(*args, **kwargs)
+        self._check_rewritten(step)
+        return out
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("training_step", super().training_step, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("validation_step", super().validation_step, *args, **kwargs)
+
+
+def _compiled_step(fn: Callable, backend: AutoSPBackend) -> Callable:
+    compiled = torch.compile(fn, backend=backend)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        # Dynamo's DDP optimizer would split our graph per gradient bucket; the SP pass needs
+        # the whole step in one graph, and DDP still overlaps the gradient all-reduce.
+        with torch._dynamo.config.patch(optimize_ddp=False):
+            return compiled(*args, **kwargs)
+
+    step.__wrapped__ = fn  # type: ignore[attr-defined]
+    return step
