@@ -1,0 +1,238 @@
+"""Shared machinery of the multi-process tests: run a Trainer under AutoSP (or plain DDP) with
+``start_method="fork"`` on CPU/gloo, record what every rank saw and computed, and replay the
+same batches on one device, eagerly, as the reference."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_autosp import AutoSPStrategy
+from lightning_autosp.models import GPT, GPTConfig, Llama, LlamaConfig
+
+VOCAB = 64
+
+
+def make_model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(1234)
+    if kind == "gpt":
+        return GPT(GPTConfig.tiny(vocab_size=VOCAB))
+    if kind == "llama":
+        return Llama(LlamaConfig.tiny(vocab_size=VOCAB))
+    raise ValueError(kind)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
+    """The loss as a user writes it: aligned labels, or shifting the logits in the loss."""
+    if shift:
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100)
+
+
+class LMModule(L.LightningModule):
+    """An unmodified user module: the loss is computed in ``training_step``."""
+
+    def __init__(self, kind: str, shift: bool = False, lr: float = 0.1):
+        super().__init__()
+        self.model = make_model(kind)
+        self.shift = shift
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(batch["input_ids"])
+        loss = lm_loss(logits, batch["labels"], self.shift)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        logits = self.model(batch["input_ids"])
+        loss = lm_loss(logits, batch["labels"], self.shift)
+        self.log("val_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class TokenData(Dataset):
+    """Random tokens; labels are ignored (-100) on an uneven, sample-dependent set of positions
+    so that SP ranks hold very different numbers of real targets."""
+
+    def __init__(self, n: int, seq_len: int, ignore: str = "uneven", seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(0, VOCAB, (n, seq_len), generator=g)
+        self.y = torch.randint(0, VOCAB, (n, seq_len), generator=g)
+        if ignore == "uneven":
+            for i in range(n):
+                # most of the first half ignored, a stripe near the end ignored
+                self.y[i, 1 : seq_len // 2 - i % 3] = -100
+                self.y[i, seq_len - 3 : seq_len - 1] = -100
+        elif ignore == "first_shard_only":
+            self.y[:, seq_len // 4 :] = -100
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.y[i]}
+
+
+class Recorder(L.Callback):
+    """Saves, per rank: the batches seen, the loss returned by each training step, the
+    gradients after DDP's sync (just before each optimizer step) and the SP/DP groups."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+        self.rec: dict[str, Any] = {"batches": [], "losses": [], "grads": [], "val_losses": []}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.rec["batches"].append({k: v.clone() for k, v in batch.items()})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rec["losses"].append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.rec["val_losses"].append(float(outputs))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.rec["grads"].append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
+
+    def on_train_end(self, trainer, pl_module):
+        st = trainer.strategy
+        if isinstance(st, AutoSPStrategy):
+            self.rec["sp_group"] = dist.get_process_group_ranks(st.sp_group)
+            self.rec["dp_group"] = dist.get_process_group_ranks(st.dp_group)
+            self.rec["graphs"] = {k: b.graphs for k, b in st._backends.items()}
+        torch.save(self.rec, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Run:
+    ranks: list[dict]
+
+    @property
+    def world(self) -> int:
+        return len(self.ranks)
+
+
+def run_fit(
+    tmp_path: Path,
+    module: L.LightningModule,
+    data: Dataset,
+    devices: int,
+    sp_size: Optional[int],
+    steps: int = 3,
+    batch_size: int = 2,
+    accumulate: int = 1,
+    backend: str = "aot_eager",
+    val_data: Optional[Dataset] = None,
+) -> Run:
+    """Fit on ``devices`` forked CPU processes; ``sp_size=None`` means plain DDP."""
+    os.environ["MASTER_PORT"] = str(free_port())
+    out = tmp_path / f"run_{devices}_{sp_size}_{id(module)}"
+    out.mkdir()
+    if sp_size is None:
+        strategy: Any = L.pytorch.strategies.DDPStrategy(start_method="fork")
+    else:
+        strategy = AutoSPStrategy(sp_size=sp_size, compile_backend=backend, start_method="fork")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        limit_val_batches=2 if val_data is not None else 0,
+        num_sanity_val_steps=0,
+        val_check_interval=steps * accumulate if val_data is not None else None,
+        callbacks=[Recorder(str(out))],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loaders = [DataLoader(data, batch_size=batch_size, shuffle=False)]
+    if val_data is not None:
+        loaders.append(DataLoader(val_data, batch_size=batch_size, shuffle=False))
+    trainer.fit(module, *loaders)
+    return Run([torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)])
+
+
+def reference(kind: str, run: Run, sp_size: int, lr: float = 0.1, accumulate: int = 1, shift: bool = False):
+    """Replay the recorded batches on one device, eagerly: per-step losses of each DP group and
+    the DP-averaged gradients before each optimizer step."""
+    dp = run.world // sp_size
+    model = make_model(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses: list[list[float]] = []
+    grads: list[dict[str, torch.Tensor]] = []
+    n_micro = len(run.ranks[0]["batches"])
+    for i in range(n_micro):
+        step_losses = []
+        for g in range(dp):
+            batch = run.ranks[g * sp_size]["batches"][i]
+            loss = lm_loss(model(batch["input_ids"]), batch["labels"], shift)
+            (loss / (dp * accumulate)).backward()
+            step_losses.append(loss.item())
+        losses.append(step_losses)
+        if (i + 1) % accumulate == 0:
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+    return losses, grads
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def compare(run: Run, sp_size: int, ref_losses, ref_grads) -> tuple[float, float]:
+    """Largest relative error of (losses, gradients) over every rank and step."""
+    loss_err = grad_err = 0.0
+    for r, rec in enumerate(run.ranks):
+        g = r // sp_size
+        for got, want in zip(rec["losses"], ref_losses):
+            loss_err = max(loss_err, abs(got - want[g]) / abs(want[g]))
+        assert len(rec["grads"]) == len(ref_grads)
+        for got, want in zip(rec["grads"], ref_grads):
+            names = [n.removeprefix("model.") for n in got]
+            assert sorted(names) == sorted(want), "gradient names differ from the reference"
+            for n, t in got.items():
+                grad_err = max(grad_err, rel_err(t, want[n.removeprefix("model.")]))
+    return loss_err, grad_err
+
+
+def _spawn_entry(rank: int, world: int, port: int, fn: Callable, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(tmp_path: Path, fn: Callable, world: int, *args: Any) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` forked gloo processes; return each result."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / f"spawn_{fn.__name__}_{world}"
+    out.mkdir()
+    mp.start_processes(_spawn_entry, args=(world, free_port(), fn, str(out), args), nprocs=world, start_method="fork")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]

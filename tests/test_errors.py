@@ -1,0 +1,41 @@
+"""Inputs AutoSP cannot handle end with a clear error, never with a silently wrong answer."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from sp_harness import LMModule, TokenData, VOCAB, run_fit
+
+
+class ManualAttentionLM(nn.Module):
+    """Attention written by hand (softmax(q k^T)) instead of F.scaled_dot_product_attention."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        q, k, v = self.qkv(x).split(x.size(-1), dim=-1)  # [B, S, d] each
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # [B, S, S]
+        return self.head(F.softmax(att, dim=-1) @ v)
+
+
+class ManualAttentionModule(LMModule):
+    def __init__(self):
+        super().__init__("gpt")
+        self.model = ManualAttentionLM()
+
+
+def test_model_without_sdpa_is_rejected(tmp_path):
+    with pytest.raises(Exception, match=r"no attention to parallelize.*scaled_dot_product_attention"):
+        run_fit(tmp_path, ManualAttentionModule(), TokenData(8, 16), devices=2, sp_size=2, steps=1)
+
+
+def test_sequence_not_divisible_by_sp_size(tmp_path):
+    with pytest.raises(Exception, match=r"sequence length 30 .* not divisible by sp_size=4. Pad sequences"):
+        run_fit(tmp_path, LMModule("gpt"), TokenData(8, 30), devices=4, sp_size=4, steps=1)

@@ -1,0 +1,123 @@
+"""The SP pass on captured Dynamo graphs: what it inserts, what it refuses, and what it leaves."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from sp_harness import VOCAB, lm_loss, make_model, spawn
+from torch._dynamo.backends.common import aot_autograd
+
+from lightning_autosp import AutoSPError
+from lightning_autosp.compile import AutoSPBackend
+from lightning_autosp.models import Llama, LlamaConfig
+from lightning_autosp.passes import sequence_parallel_pass
+from lightning_autosp.passes.sequence_parallel import ALL_TO_ALL, SDPA
+
+A2A = torch.ops.autosp.all_to_all.default
+
+
+def capture(model, x, y, shift=False, dynamic=True):
+    """The Dynamo graph of a training-step-like function (no process group needed)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    if dynamic:
+        torch._dynamo.mark_dynamic(x, 1)
+        torch._dynamo.mark_dynamic(y, 1)
+    torch.compile(lambda a, b: lm_loss(model(a), b, shift), backend=backend)(x, y)
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def batch(S=16):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, VOCAB, (2, S), generator=g), torch.randint(0, VOCAB, (2, S), generator=g)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("shift", [False, True])
+def test_pass_rewrites_every_attention(kind, shift):
+    gm = capture(make_model(kind), *batch(), shift=shift)
+    out = sequence_parallel_pass(gm, sp_size=2, sp_rank=1, group_name="unused", seq_dim=1)
+    stats = out.meta["autosp"]
+    nodes = list(out.graph.nodes)
+    sdpa = [n for n in nodes if n.target is SDPA]
+    assert stats.sdpa == len(sdpa) == 2
+    assert sum(n.target is ALL_TO_ALL for n in nodes) == 4 * len(sdpa)
+    for n in sdpa:
+        assert all(a.target is ALL_TO_ALL for a in n.args[:3])
+    assert stats.fallbacks == []
+    assert stats.max_shift == (1 if shift else 0)
+
+
+def test_heads_not_divisible_is_an_error():
+    gm = capture(make_model("gpt"), *batch(18))
+    with pytest.raises(AutoSPError, match=r"4 attention heads.*not divisible by sp_size=3"):
+        sequence_parallel_pass(gm, sp_size=3, sp_rank=0, group_name="unused")
+
+
+def test_attention_without_dynamic_sequence_is_an_error():
+    gm = capture(make_model("gpt"), *batch(), dynamic=False)
+    with pytest.raises(AutoSPError, match="no graph input with a symbolic sequence length"):
+        sequence_parallel_pass(gm, sp_size=2, sp_rank=0, group_name="unused")
+
+
+def test_graph_without_sequence_is_left_alone():
+    def backend(gm, example_inputs):
+        backend.gm = gm
+        return gm.forward
+
+    w = torch.randn(4, 4, requires_grad=True)
+    torch.compile(lambda a: (a @ w).sum(), backend=backend)(torch.randn(3, 4))
+    assert sequence_parallel_pass(backend.gm, sp_size=2, sp_rank=0, group_name="unused") is backend.gm
+
+
+def test_unknown_op_on_shards_runs_replicated():
+    """An op without a rule gets its inputs all-gathered (correct, reported), never sharded silently."""
+    model = make_model("gpt")
+
+    def step(a, b):
+        logits = model(a)
+        return torch.flip(logits, dims=[1]).float().mean()
+
+    graphs = []
+    x, _ = batch()
+    torch._dynamo.mark_dynamic(x, 1)
+    torch.compile(step, backend=lambda gm, ex: graphs.append(gm) or gm.forward)(x, None)
+    out = sequence_parallel_pass(graphs[0], sp_size=2, sp_rank=0, group_name="unused")
+    assert any("flip" in f for f in out.meta["autosp"].fallbacks)
+
+
+# ------------------------------------------------------------ all-to-alls in AOT fw/bw graphs
+_COUNTS: dict = {}
+
+
+def _counter(tag):
+    def compiler(gm, example_inputs):
+        _COUNTS[tag] = sum(n.target is A2A for n in gm.graph.nodes)
+        return gm.forward if not hasattr(gm, "_boxed_call") else gm
+
+    return compiler
+
+
+torch._dynamo.register_backend(
+    aot_autograd(fw_compiler=_counter("fw"), bw_compiler=_counter("bw")), name="autosp_test_counting"
+)
+
+
+def _count_worker(rank, world):
+    model = Llama(LlamaConfig.tiny(vocab_size=VOCAB, n_layers=3))
+    backend = AutoSPBackend(sp_size=world, sp_rank=rank, group_name=dist.group.WORLD.group_name, backend="autosp_test_counting")
+    x, y = batch(32)
+    torch._dynamo.mark_dynamic(x, 1)
+    torch._dynamo.mark_dynamic(y, 1)
+    loss = torch.compile(lambda a, b: lm_loss(model(a), b, False), backend=backend)(x, y)
+    loss.backward()
+    return dict(_COUNTS)
+
+
+def test_four_all_to_alls_per_attention_forward_and_backward(tmp_path):
+    counts = spawn(tmp_path, _count_worker, 2)
+    assert counts[0] == counts[1] == {"fw": 12, "bw": 12}  # 3 attention calls x 4

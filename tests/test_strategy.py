@@ -1,0 +1,106 @@
+"""AutoSPStrategy without running a job: validation, layout, SLURM, sampler, registry."""
+
+import pytest
+import torch
+from lightning import Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_autosp
+from lightning_autosp import AutoSPStrategy, SequenceParallelSampler
+from lightning_autosp.layout import SPLayout, validate_layout
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_sp_size_must_be_positive_int(bad):
+    with pytest.raises(ValueError, match=r"AutoSPStrategy\(sp_size=.*\): sp_size must be an integer >= 1"):
+        AutoSPStrategy(sp_size=bad)
+
+
+def test_bad_backend_and_seq_dim():
+    with pytest.raises(ValueError, match=r"compile_backend='tvm'.*choose one of \['inductor', 'aot_eager', 'eager'\]"):
+        AutoSPStrategy(sp_size=2, compile_backend="tvm")
+    with pytest.raises(ValueError, match=r"seq_dim=0.*dim 0 is the batch"):
+        AutoSPStrategy(sp_size=2, seq_dim=0)
+
+
+def test_world_size_not_divisible():
+    with pytest.raises(ValueError, match=r"world size 3 is not divisible by sp_size.*valid here: \[1, 3\]"):
+        Trainer(accelerator="cpu", devices=3, strategy=AutoSPStrategy(sp_size=2), logger=False)
+
+
+def test_sp_group_must_stay_in_a_node(monkeypatch):
+    with pytest.raises(ValueError, match=r"devices per node \(4\) is not divisible by sp_size.*span nodes.*valid: \[1, 2, 4\]"):
+        validate_layout(sp_size=8, world_size=16, devices_per_node=4)
+    with pytest.raises(ValueError, match=r"devices per node \(2\) is not divisible by sp_size"):
+        Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=AutoSPStrategy(sp_size=4), logger=False)
+
+
+def test_layout_contiguous_sp_groups():
+    layout = SPLayout(world_size=8, sp_size=4)
+    assert layout.all_sp_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.sp_group_ranks(6) == [4, 5, 6, 7] and layout.dp_group_ranks(6) == [2, 6]
+    assert (layout.dp_size, layout.dp_rank(6), layout.sp_rank(6)) == (2, 1, 2)
+
+
+SLURM_ENV = {
+    "SLURM_NTASKS": "8",
+    "SLURM_NTASKS_PER_NODE": "4",
+    "SLURM_JOB_NAME": "autosp",
+    "SLURM_NODELIST": "node[0-1]",
+    "SLURM_JOB_ID": "1234",
+    "SLURM_NODEID": "1",
+    "SLURM_PROCID": "6",
+    "SLURM_LOCALID": "2",
+}
+
+
+def test_slurm_two_nodes_four_tasks(monkeypatch):
+    for k, v in SLURM_ENV.items():
+        monkeypatch.setenv(k, v)
+    strategy = AutoSPStrategy(sp_size=4)
+    trainer = Trainer(accelerator="cpu", devices=4, num_nodes=2, strategy=strategy, logger=False)
+    assert type(trainer.strategy.cluster_environment).__name__ == "SLURMEnvironment"
+    assert (strategy.global_rank, strategy.world_size) == (6, 8)
+    assert (strategy.sp_rank, strategy.dp_rank, strategy.dp_size) == (2, 1, 2)
+    assert strategy.layout.sp_group_ranks(strategy.global_rank) == [4, 5, 6, 7]  # node 1 is one SP group
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+
+
+def test_slurm_sp_size_spanning_nodes_fails(monkeypatch):
+    for k, v in SLURM_ENV.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match="would span nodes"):
+        Trainer(accelerator="cpu", devices=4, num_nodes=2, strategy=AutoSPStrategy(sp_size=8), logger=False)
+
+
+def test_sampler_same_inside_sp_group_disjoint_across_dp():
+    data = list(range(36))
+    world, sp = 8, 4
+    per_rank = [list(SequenceParallelSampler(data, sp_size=sp, world_size=world, global_rank=r, seed=3)) for r in range(world)]
+    for r in range(world):
+        assert per_rank[r] == per_rank[(r // sp) * sp]  # same samples, same order, in an SP group
+    a, b = set(per_rank[0]), set(per_rank[4])
+    assert not (a & b)
+    assert a | b == set(data)
+
+
+def test_sampler_bad_input():
+    with pytest.raises(ValueError, match="world_size=6 is not divisible by sp_size=4"):
+        SequenceParallelSampler(list(range(4)), sp_size=4, world_size=6, global_rank=0)
+    with pytest.raises(ValueError, match="pass `world_size` and `global_rank`"):
+        SequenceParallelSampler(list(range(4)), sp_size=2)
+
+
+def test_short_name_registered():
+    assert "autosp" in StrategyRegistry
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="autosp", logger=False)
+    assert isinstance(trainer.strategy, AutoSPStrategy)
+    assert trainer.strategy.sp_size == 2  # one SP group per node by default
+
+
+def test_ddp_kwargs_pass_through():
+    from datetime import timedelta
+
+    s = AutoSPStrategy(sp_size=2, process_group_backend="gloo", start_method="fork", timeout=timedelta(seconds=30), find_unused_parameters=True)
+    assert s.process_group_backend == "gloo" and s._start_method == "fork"
+    assert s._timeout == timedelta(seconds=30) and s._ddp_kwargs == {"find_unused_parameters": True}
