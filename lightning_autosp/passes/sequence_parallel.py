@@ -120,7 +120,8 @@ def _norm_dim(d: int, ndim: int) -> int:
 
 def find_sequence_symbol(gm: fx.GraphModule, seq_dim: int) -> Optional[sympy.Symbol]:
     """The SymInt symbol of the sequence length: the symbol at ``seq_dim`` of the graph's
-    (non-parameter) tensor inputs. ``None`` if no input has a symbolic sequence dim."""
+    (non-parameter) tensor inputs. ``None`` if no input has a symbolic sequence dim, or if
+    several do and the graph has no attention (it then runs replicated, which is correct)."""
     seen: Counter = Counter()
     for node in gm.graph.find_nodes(op="placeholder"):
         val = node.meta.get("example_value")
@@ -132,6 +133,8 @@ def find_sequence_symbol(gm: fx.GraphModule, seq_dim: int) -> Optional[sympy.Sym
         return None
     (best, n), *rest = seen.most_common()
     if rest and rest[0][1] == n:
+        if not gm.graph.find_nodes(op="call_function", target=SDPA):
+            return None  # e.g. a metric update after a graph break: run it replicated, unchanged
         raise AutoSPError(
             f"AutoSP found several symbolic sizes at seq_dim={seq_dim} of the graph inputs "
             f"({', '.join(str(s) for s in seen)}); inputs must share one sequence length. "
