@@ -712,6 +712,10 @@ class _Rewriter:
         dim = self._dim_arg(node, 1, 0)
         if not isinstance(dim, int) or not isinstance(tensors, (list, tuple)):
             return None
+        if not stack:  # torch.cat skips legacy empty 1-D tensors (e.g. an empty KV cache)
+            tensors = [n for n in tensors if not self._legacy_empty(n)]
+            if len(tensors) == 1 and self.is_shard(tensors[0]):
+                return self.out_shard(node, self.env[tensors[0]], self.pl[tensors[0]])
         spec: Optional[Shard] = None
         for n in tensors:
             sh = self.pl.get(n)
@@ -723,10 +727,14 @@ class _Rewriter:
         dim = _norm_dim(dim, out.dim() if stack else in_ndim)
         if not stack and dim == spec.dim:
             return None
-        new_list = [self.env[n] if self.is_shard(n) else self.as_shard(n, spec) for n in tensors]
+        new_list = [self.env[n] if self.is_shard(n) else self.as_shard(n, spec.with_dim(spec.dim)) for n in tensors]
         out_dim = spec.dim + 1 if (stack and dim <= spec.dim) else spec.dim
         args = (new_list, *fx.map_arg(node.args[1:], self.env.__getitem__))
         return self.out_shard(node, self.copy(node, args), spec.with_dim(out_dim))
+
+    def _legacy_empty(self, n: Any) -> bool:
+        v = self.val(n)
+        return _is_tensor(v) and v.dim() == 1 and isinstance(v.shape[0], int) and v.shape[0] == 0
 
     def rule_size(self, node: fx.Node):
         """Sizes keep their global meaning: the sequence dim reports the global length."""
