@@ -20,6 +20,9 @@ op                  forward                     backward
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -36,35 +39,86 @@ def _group(group_name: str) -> dist.ProcessGroup:
 
 
 # --------------------------------------------------------------------------- all_to_all
+def seq_split_sizes(seq_len, group_size: int) -> list:
+    """Tokens held by each SP rank when ``seq_len`` tokens are split in rank order: every
+    rank holds ``ceil(seq_len / P)`` except the last, which holds the rest."""
+    chunk = (seq_len + group_size - 1) // group_size
+    return [chunk] * (group_size - 1) + [seq_len - (group_size - 1) * chunk]
+
+
 @torch.library.custom_op(f"{_NS}::all_to_all", mutates_args=())
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group_name: str, group_size: int) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    group_name: str,
+    group_size: int,
+    seq_len: Optional[int] = None,
+    seq_dim: int = -1,
+    rank: int = 0,
+) -> torch.Tensor:
     """Split ``x`` into ``group_size`` chunks along ``scatter_dim``, send chunk ``j`` to rank
     ``j``, and concatenate the chunks received along ``gather_dim`` (rank order).
 
     Ulysses uses it as ``[B, H, S/P, D] -> [B, H/P, S, D]`` (scatter heads, gather sequence)
-    before attention and the reverse after it.
+    before attention and the reverse after it. With ``seq_len`` given, the sequence dim
+    ``seq_dim`` (``gather_dim`` before attention, ``scatter_dim`` after it) is split as
+    :func:`seq_split_sizes` says, so lengths need not be divisible by ``group_size``;
+    ``rank`` is this rank's index in the group.
     """
-    chunks = x.chunk(group_size, dim=scatter_dim)  # P x [.., n/P, ..]
-    send = torch.stack(chunks, dim=0).contiguous()  # [P, *chunk]
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=_group(group_name))
-    return torch.cat(recv.unbind(0), dim=gather_dim)  # [.., m*P, ..]
+    pg = _group(group_name)
+    if seq_len is None:
+        chunks = x.chunk(group_size, dim=scatter_dim)  # P x [.., n/P, ..]
+        send = torch.stack(chunks, dim=0).contiguous()  # [P, *chunk]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=pg)
+        return torch.cat(recv.unbind(0), dim=gather_dim)  # [.., m*P, ..]
+    sizes = seq_split_sizes(seq_len, group_size)
+    if gather_dim == seq_dim:  # local tokens, all heads -> all tokens, our heads
+        parts = [c.contiguous() for c in x.chunk(group_size, dim=scatter_dim)]  # P x [.., H/P, .., n_r, ..]
+        shapes = []
+        for n in sizes:
+            shp = list(parts[0].shape)
+            shp[gather_dim] = n
+            shapes.append(shp)
+    else:  # all tokens, our heads -> local tokens, all heads
+        parts = [c.contiguous() for c in x.split(sizes, dim=scatter_dim)]  # P x [.., H/P, .., n_j, ..]
+        shp = list(parts[rank].shape)
+        shapes = [shp] * group_size
+    send = torch.cat([p.reshape(-1) for p in parts])
+    recv_counts = [math.prod(shp) for shp in shapes]
+    recv = send.new_empty(sum(recv_counts))
+    dist.all_to_all_single(
+        recv, send, output_split_sizes=recv_counts, input_split_sizes=[p.numel() for p in parts], group=pg
+    )
+    pieces = [r.view(shp) for r, shp in zip(recv.split(recv_counts), shapes)]
+    return torch.cat(pieces, dim=gather_dim)
 
 
 @all_to_all.register_fake
-def _(x, scatter_dim, gather_dim, group_name, group_size):
+def _(x, scatter_dim, gather_dim, group_name, group_size, seq_len=None, seq_dim=-1, rank=0):
     shape = list(x.shape)
-    shape[scatter_dim] = shape[scatter_dim] // group_size
-    shape[gather_dim] = shape[gather_dim] * group_size
+    if seq_len is None:
+        shape[scatter_dim] = shape[scatter_dim] // group_size
+        shape[gather_dim] = shape[gather_dim] * group_size
+    elif gather_dim == seq_dim:
+        shape[scatter_dim] = shape[scatter_dim] // group_size
+        shape[gather_dim] = seq_len
+    else:
+        shape[scatter_dim] = seq_split_sizes(seq_len, group_size)[rank]
+        shape[gather_dim] = shape[gather_dim] * group_size
     return x.new_empty(shape)
 
 
 def _all_to_all_backward(ctx, grad):
-    return all_to_all(grad.contiguous(), ctx.gather_dim, ctx.scatter_dim, ctx.group_name, ctx.group_size), None, None, None, None
+    g = all_to_all(
+        grad.contiguous(), ctx.gather_dim, ctx.scatter_dim, ctx.group_name, ctx.group_size, ctx.seq_len, ctx.seq_dim, ctx.rank
+    )
+    return g, None, None, None, None, None, None, None
 
 
 def _all_to_all_setup(ctx, inputs, output):
-    _, ctx.scatter_dim, ctx.gather_dim, ctx.group_name, ctx.group_size = inputs
+    _, ctx.scatter_dim, ctx.gather_dim, ctx.group_name, ctx.group_size, ctx.seq_len, ctx.seq_dim, ctx.rank = inputs
 
 
 all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)

@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_autosp.compile import SUPPORTED_BACKENDS, AutoSPBackend
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.layout import SPLayout, validate_layout, validate_sp_size
+from lightning_autosp.ops import seq_split_sizes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -206,26 +207,28 @@ class AutoSPStrategy(DDPStrategy):
         super().teardown()
 
     def _prepare_batch(self, batch: Any, step: str) -> None:
-        """Check the sequence length and mark it dynamic, so one compile serves every length."""
+        """Check the sequence length and mark it dynamic, so one compile serves every length.
+
+        Every dim (after the batch dim) of the batch's tensors whose size equals the sequence
+        length is marked: token ids and labels ``[B, S]``, masks ``[B, 1, S, S]``.
+        """
         leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > self.seq_dim]
         if not leaves:
             return
         seq_len = leaves[0].shape[self.seq_dim]
-        if seq_len % self.sp_size:
-            raise ValueError(
-                f"AutoSPStrategy: the batch's sequence length {seq_len} (dim {self.seq_dim}) is not divisible by "
-                f"sp_size={self.sp_size}. Pad sequences to a multiple of {self.sp_size} (e.g. in your collate_fn)."
-            )
         backend = self._backends.get(step)
         shift = backend.max_shift if backend is not None else 0
-        if seq_len // self.sp_size <= max(shift, 1):
+        fewest = seq_split_sizes(seq_len, self.sp_size)[-1]  # the last SP rank holds the fewest tokens
+        if fewest <= shift:
             raise ValueError(
-                f"AutoSPStrategy: sequence length {seq_len} gives each of the {self.sp_size} SP ranks only "
-                f"{seq_len // self.sp_size} tokens; it needs more than {max(shift, 1)}. Use longer sequences or a smaller sp_size."
+                f"AutoSPStrategy: a sequence of {seq_len} tokens split over sp_size={self.sp_size} ranks leaves the "
+                f"last rank {fewest} token(s); it needs more than {shift} (the model slices the sequence by {shift}). "
+                "Use longer sequences or a smaller sp_size."
             )
         for t in leaves:
-            if t.shape[self.seq_dim] == seq_len:
-                torch._dynamo.mark_dynamic(t, self.seq_dim)
+            for d in range(1, t.dim()):
+                if t.shape[d] == seq_len:
+                    torch._dynamo.mark_dynamic(t, d)
 
     def _check_rewritten(self, step: str) -> None:
         if step in self._checked or step not in self._backends:

@@ -36,6 +36,7 @@ def test_model_without_sdpa_is_rejected(tmp_path):
         run_fit(tmp_path, ManualAttentionModule(), TokenData(8, 16), devices=2, sp_size=2, steps=1)
 
 
-def test_sequence_not_divisible_by_sp_size(tmp_path):
-    with pytest.raises(Exception, match=r"sequence length 30 .* not divisible by sp_size=4. Pad sequences"):
-        run_fit(tmp_path, LMModule("gpt"), TokenData(8, 30), devices=4, sp_size=4, steps=1)
+def test_sequence_too_short_for_sp_size(tmp_path):
+    # 5 tokens over 4 ranks: the last rank would hold -1 tokens
+    with pytest.raises(Exception, match=r"sequence of 5 tokens split over sp_size=4 ranks leaves the last rank -1 token"):
+        run_fit(tmp_path, LMModule("gpt"), TokenData(8, 5, ignore="none"), devices=4, sp_size=4, steps=1)

@@ -1,7 +1,8 @@
 """Sequence placements of tensors in a Dynamo (torch IR) graph, and the size algebra they need.
 
 Vocabulary: ``s`` is the global sequence length (a SymInt symbol in the graph), ``P`` is
-``sp_size``, ``c = s // P`` is the base chunk each SP rank owns, "dim" is a tensor dim.
+``sp_size``, ``c = ceil(s / P)`` is the base chunk each SP rank owns (the last rank owns
+``s - (P-1)*c``, fewer when ``s`` is not divisible by ``P``), "dim" is a tensor dim.
 
 A tensor is either
 
@@ -100,8 +101,9 @@ def is_polynomial_quotient(num: sympy.Expr, den: sympy.Expr) -> sympy.Expr | Non
 class SizeEmitter:
     """Turns size expressions into FX values (ints or nodes) in the graph being built.
 
-    ``c`` (the local chunk symbol) maps to ``s // P``; the global sequence symbol and every
-    other shape symbol map to a SymInt placeholder or to a ``size()`` call on a placeholder.
+    ``chunk`` (the symbol of the base chunk ``c = ceil(s / P)``) maps to ``(s + P - 1) // P``;
+    the global sequence symbol and every other shape symbol map to a SymInt placeholder or to
+    a ``size()`` call on a placeholder.
     """
 
     def __init__(self, graph: fx.Graph, sources: dict[sympy.Symbol, Callable[[], fx.Node]], seq: sympy.Symbol, sp_size: int):
@@ -111,10 +113,6 @@ class SizeEmitter:
         self.sp_size = sp_size
         self.chunk = sympy.Symbol("autosp_chunk", integer=True, positive=True)
         self._cache: dict[Any, Any] = {}
-
-    def to_chunk(self, expr: sympy.Expr) -> sympy.Expr:
-        """Rewrite a global size in terms of the chunk symbol (``s = P * c``)."""
-        return sympy.expand(sympy.sympify(expr).subs(self.seq, self.sp_size * self.chunk))
 
     def emit(self, expr: sympy.Expr) -> Union[int, fx.Node]:
         expr = sympy.expand(sympy.sympify(expr))
@@ -128,7 +126,8 @@ class SizeEmitter:
     def _emit(self, expr: sympy.Expr) -> fx.Node:
         g = self.graph
         if expr == self.chunk:
-            return g.call_function(operator.floordiv, (self._emit(self.seq), self.sp_size))
+            s_plus = g.call_function(operator.add, (self.emit(self.seq), self.sp_size - 1))
+            return g.call_function(operator.floordiv, (s_plus, self.sp_size))
         if isinstance(expr, sympy.Symbol):
             if expr not in self.sources:
                 raise KeyError(f"no graph value provides the size symbol {expr}")

@@ -59,8 +59,9 @@ def shard_gather(
     first/last rank of a tensor sliced on the sequence), then the chunks are gathered in
     rank order and the ``[off, off + length)`` window of the base sequence is cut out.
     """
-    if _is(outer, 1) and _is(inner, 1) and off == 0 and _is(left_pad, 0) and _is(right_pad, 0):
-        return ops.all_gather(x, dim, group_name, group_size)
+    if _is(outer, 1) and _is(inner, 1):
+        y = _pad_dim(x, dim, left_pad, right_pad)  # [.., c, ..]
+        return ops.all_gather(y, dim, group_name, group_size).narrow(dim, off, length)  # [.., length, ..]
     y = x.unflatten(dim, (outer, -1, inner))  # [.., outer, len_r, inner, ..]
     y = _pad_dim(y, dim + 1, left_pad, right_pad)  # [.., outer, c, inner, ..]
     y = ops.all_gather(y, dim + 1, group_name, group_size)  # [.., outer, s, inner, ..]

@@ -191,9 +191,8 @@ class _Rewriter:
     def bounds(self, sh: Shard) -> tuple[sympy.Expr, sympy.Expr]:
         """(first tensor position held by this rank, number held), in chunk terms."""
         c = self.sizes.chunk
-        L = self.sizes.to_chunk(sh.length)
         lo = sympy.Integer(0) if self.r == 0 else self.r * c - sh.off
-        hi = L if self.r == self.P - 1 else (self.r + 1) * c - sh.off
+        hi = sh.length if self.r == self.P - 1 else (self.r + 1) * c - sh.off
         return lo, sympy.expand(hi - lo)
 
     def outer(self, n: fx.Node, sh: Shard) -> sympy.Expr:
@@ -203,7 +202,7 @@ class _Rewriter:
 
     def local_size(self, outer: sympy.Expr, sh: Shard) -> Any:
         _, n = self.bounds(sh)
-        return self.emit(self.sizes.to_chunk(outer) * n * self.sizes.to_chunk(sh.inner))
+        return self.emit(outer * n * sh.inner)
 
     def copy(self, node: fx.Node, args=None, kwargs=None, target=None) -> fx.Node:
         args = fx.map_arg(node.args, self.env.__getitem__) if args is None else args
@@ -761,34 +760,49 @@ class _Rewriter:
         self.pl[node] = REPLICATE
         return True
 
+    def _valid_sp_sizes(self, heads: int) -> list[int]:
+        return [d for d in range(1, heads + 1) if heads % d == 0]
+
     def rule_sdpa(self, node: fx.Node):
         bound = dict(zip(_SDPA_SIG, node.args))
         bound.update(node.kwargs)
         q, k, v = bound["query"], bound["key"], bound["value"]
-        qv = self.val(q)
-        ndim = qv.dim()
-        seq_d, head_d = ndim - 2, ndim - 3
-        heads = {n.name: self.shape(n)[head_d] for n in (q, k, v)} if ndim >= 3 else {}
+        ndim = self.val(q).dim()
         if ndim < 3:
             raise AutoSPError(f"{node.name}: scaled_dot_product_attention with {ndim}-D inputs has no head dim to split")
-        for nm, h in heads.items():
-            if not h.is_Integer or int(h) % self.P:
+        seq_d, head_d = ndim - 2, ndim - 3
+        H, Hk = self.shape(q)[head_d], self.shape(k)[head_d]
+        if not (H.is_Integer and Hk.is_Integer):
+            raise AutoSPError(f"{node.name}: attention heads must be static, got q {list(self.shape(q))}, k {list(self.shape(k))}")
+        H, Hk = int(H), int(Hk)
+        if H % self.P:
+            raise AutoSPError(
+                f"{node.name}: the query has {H} attention heads (shape {list(self.shape(q))}), not divisible by "
+                f"sp_size={self.P}. Ulysses splits the heads across the SP group; valid sp_size values for this "
+                f"model: {self._valid_sp_sizes(H)}."
+            )
+        gqa = bool(bound.get("enable_gqa", False))
+        # KV heads: split like the query heads when they divide; otherwise replicate them so that
+        # every rank receives the KV head(s) its query heads read (GQA/MQA with few KV heads).
+        kv_repeat = 1
+        if Hk % self.P:
+            if not gqa or H % Hk:
                 raise AutoSPError(
-                    f"{node.name}: {nm} has {h} attention heads (shape {list(self.shape(q if nm == q.name else (k if nm == k.name else v)))}), "
-                    f"not divisible by sp_size={self.P}. Ulysses splits heads across the SP group: "
-                    f"choose an sp_size that divides the number of heads."
+                    f"{node.name}: key/value have {Hk} heads and query {H} without enable_gqa=True; "
+                    f"they must match or divide by sp_size={self.P}."
                 )
+            kv_repeat = self.P // Hk if self.P % Hk == 0 else H // Hk
+        seq_node = self.emit(self.seq)
         new_qkv = []
         for n in (q, k, v):
             sh = self.pl.get(n)
             if not isinstance(sh, Shard):
-                if self.seq_dims(n) != [seq_d] and seq_d not in self.seq_dims(n):
+                if seq_d not in self.seq_dims(n):
                     raise AutoSPError(
                         f"{node.name}: {n.name} has shape {list(self.shape(n))} with no sequence dim at "
                         f"dim {seq_d}; AutoSP expects SDPA inputs laid out as [B, H, S, D]."
                     )
-                sh = self.base_shard(seq_d)
-                local = self.as_shard(n, sh)
+                local = self.as_shard(n, self.base_shard(seq_d))
             else:
                 if sh.dim != seq_d or sh.inner != 1 or sh.off != 0 or sympy.simplify(sh.length - self.seq) != 0:
                     raise AutoSPError(
@@ -796,29 +810,29 @@ class _Rewriter:
                         f"AutoSP expects the full sequence in dim {seq_d} of a [B, H, S, D] layout."
                     )
                 local = self.env[n]
+            if n is not q and kv_repeat > 1:
+                local = self.g.call_function(torch.repeat_interleave, (local, kv_repeat), {"dim": head_d})  # [B, Hk*r, S/P, D]
             # [B, H, S/P, D] -> [B, H/P, S, D]
-            new_qkv.append(self.g.call_function(ALL_TO_ALL, (local, head_d, seq_d, self.group, self.P)))
+            new_qkv.append(self.g.call_function(ALL_TO_ALL, (local, head_d, seq_d, self.group, self.P, seq_node, seq_d, self.r)))
             self.stats.all_to_all += 1
-        kwargs = {}
-        for key in _SDPA_SIG[3:]:
-            if key in bound:
-                kwargs[key] = bound[key]
+        kwargs = {key: bound[key] for key in _SDPA_SIG[3:] if key in bound}
+        if kv_repeat > 1 and (Hk * kv_repeat) == H:
+            kwargs["enable_gqa"] = False
         mask = kwargs.get("attn_mask")
         if isinstance(mask, fx.Node):
             m = self.as_replicate(mask)
             mshape = self.shape(mask)
-            H = self.shape(q)[head_d]
             if len(mshape) == ndim and mshape[head_d] != 1:
                 if mshape[head_d] != H:
-                    raise AutoSPError(f"{node.name}: attn_mask shape {mshape} has {mshape[head_d]} heads, q has {H}")
-                per = int(H) // self.P
+                    raise AutoSPError(f"{node.name}: attn_mask shape {list(mshape)} has {mshape[head_d]} heads, the query {H}")
+                per = H // self.P
                 m = self.g.call_function(torch.narrow, (m, head_d, self.r * per, per))  # [B, H/P, S, S]
             kwargs["attn_mask"] = m
         kwargs = {k2: (self.env[v2] if isinstance(v2, fx.Node) and k2 != "attn_mask" else v2) for k2, v2 in kwargs.items()}
         out = self.g.call_function(SDPA, tuple(new_qkv), kwargs)
         out.meta["autosp_sdpa"] = node.name
         # [B, H/P, S, D] -> [B, H, S/P, D]
-        back = self.g.call_function(ALL_TO_ALL, (out, seq_d, head_d, self.group, self.P))
+        back = self.g.call_function(ALL_TO_ALL, (out, seq_d, head_d, self.group, self.P, seq_node, seq_d, self.r))
         self.stats.all_to_all += 1
         self.stats.sdpa += 1
         return self.out_shard(node, back, self.base_shard(seq_d))
