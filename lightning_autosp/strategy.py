@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence
 
@@ -16,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
+from lightning_autosp._compat import graph_break_counter
 from lightning_autosp.compile import SUPPORTED_BACKENDS, AutoSPBackend
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.layout import SPLayout, validate_layout, validate_sp_size
@@ -249,7 +251,15 @@ class AutoSPStrategy(DDPStrategy):
     def _run_step(self, step: str, parent: Callable, *args: Any, **kwargs: Any) -> Any:
         if args:
             self._prepare_batch(args[0], step)
-        out = parent(*args, **kwargs)
+        breaks_before = Counter(graph_break_counter())
+        try:
+            out = parent(*args, **kwargs)
+        except Exception as exc:
+            cause = _autosp_cause(exc)
+            if cause is None:
+                raise
+            breaks = Counter(graph_break_counter()) - breaks_before
+            raise AutoSPError(f"{cause}{_describe_breaks(breaks)}") from exc
         self._check_rewritten(step)
         return out
 
@@ -260,6 +270,29 @@ class AutoSPStrategy(DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("validation_step", super().validation_step, *args, **kwargs)
+
+
+def _autosp_cause(exc: BaseException) -> Optional[AutoSPError]:
+    """The AutoSPError behind a compile failure (Dynamo wraps backend errors), if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, AutoSPError):
+            return exc
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None
+
+
+def _describe_breaks(breaks: Counter) -> str:
+    if not breaks:
+        return ""
+    lines = "\n".join(f"  - {reason.splitlines()[0][:300]}" for reason in breaks)
+    return (
+        f"\nDynamo split this step into several graphs at these graph breaks:\n{lines}\n"
+        "A graph break inside the model hides the sequence dim from the graphs after it. Remove "
+        "print/logging calls from forward, replace data-dependent Python branches with torch.where, "
+        "and keep such code in training_step after the loss (TORCH_LOGS=graph_breaks shows where they are)."
+    )
 
 
 def _compiled_step(fn: Callable, backend: AutoSPBackend) -> Callable:

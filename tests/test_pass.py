@@ -60,7 +60,7 @@ def test_heads_not_divisible_is_an_error():
 
 def test_attention_without_dynamic_sequence_is_an_error():
     gm = capture(make_model("gpt"), *batch(), dynamic=False)
-    with pytest.raises(AutoSPError, match="no graph input with a symbolic sequence length"):
+    with pytest.raises(AutoSPError, match="no input with a symbolic sequence length"):
         sequence_parallel_pass(gm, sp_size=2, sp_rank=0, group_name="unused")
 
 

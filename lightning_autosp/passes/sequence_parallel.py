@@ -287,7 +287,34 @@ class _Rewriter:
         fx.map_arg((node.args, node.kwargs), lambda n: out.append(n) if _is_tensor(self.val(n)) else None)
         return out
 
+    def _subgraph_attention(self, node: fx.Node) -> Optional[str]:
+        """Name of a sub-graph (of a higher-order op such as torch.utils.checkpoint) that calls SDPA."""
+        for a in node.args:
+            if isinstance(a, fx.Node) and a.op == "get_attr":
+                sub = getattr(self.gm, a.target, None)
+                if isinstance(sub, fx.GraphModule) and any(
+                    n.target is SDPA or self._subgraph_has_sdpa(n, sub) for n in sub.graph.nodes
+                ):
+                    return a.target
+        return None
+
+    def _subgraph_has_sdpa(self, n: fx.Node, owner: fx.GraphModule) -> bool:
+        if n.op != "get_attr":
+            return False
+        sub = getattr(owner, n.target, None)
+        return isinstance(sub, fx.GraphModule) and any(
+            m.target is SDPA or self._subgraph_has_sdpa(m, sub) for m in sub.graph.nodes
+        )
+
     def visit(self, node: fx.Node) -> None:
+        sub = self._subgraph_attention(node) if node.op == "call_function" else None
+        if sub is not None:
+            raise AutoSPError(
+                f"{node.name}: attention runs inside `{getattr(node.target, '__name__', node.target)}` (sub-graph "
+                f"{sub}), e.g. a block wrapped in torch.utils.checkpoint. AutoSP does not rewrite attention inside "
+                "such regions. Remove torch.utils.checkpoint from the model: AutoSPStrategy(sac=True) already "
+                "recomputes the cheap ops in backward and keeps attention outputs saved."
+            )
         if not any(self.is_shard(n) for n in self.tensor_inputs(node)) and not self._is_source(node) and not self._is_sdpa(node):
             # nothing sharded flows in: run as on one device (indices, masks, RoPE tables).
             self.env[node] = self.copy(node)
@@ -872,9 +899,11 @@ def sequence_parallel_pass(
     if seq is None:
         if n_sdpa:
             raise AutoSPError(
-                f"AutoSP found {n_sdpa} attention call(s) but no graph input with a symbolic "
-                f"sequence length at seq_dim={seq_dim}. Run the model through AutoSPStrategy (which "
-                "marks the sequence dim dynamic) and check `seq_dim`."
+                f"AutoSP found {n_sdpa} attention call(s) in a graph with no input with a symbolic "
+                f"sequence length at seq_dim={seq_dim}, so it cannot tell which dim to split. This happens "
+                "when a graph break splits the model before an attention (the graph after the break sees "
+                "intermediate tensors of fixed size), or when the model runs outside AutoSPStrategy (which "
+                "marks the sequence dim of the batch dynamic) or with the wrong `seq_dim`."
             )
         gm.meta["autosp"] = SPPassStats()
         return gm
