@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["AutoSPStrategy"]
 
-_COMPILED_STEPS = ("training_step", "validation_step")
+_COMPILED_STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 class AutoSPStrategy(DDPStrategy):
@@ -39,8 +39,8 @@ class AutoSPStrategy(DDPStrategy):
 
     The world is a ``(dp, sp)`` grid: each SP group of ``sp_size`` contiguous ranks (inside one
     node) splits every sequence of its batch; SP groups are data-parallel replicas that see
-    disjoint samples. In ``setup`` the module's ``training_step`` and ``validation_step`` are
-    compiled with the AutoSP backend, which rewrites the Dynamo graph (all-to-all around every
+    disjoint samples. In ``setup`` the module's ``training_step``, ``validation_step``,
+    ``test_step`` and ``predict_step`` are compiled with the AutoSP backend, which rewrites the Dynamo graph (all-to-all around every
     ``F.scaled_dot_product_attention``, positions, label shifts and losses made right for each
     shard) before AOT autograd and ``compile_backend``. The loss a step returns and logs is the
     full-sequence loss, and gradients are those of one device on the full sequences.
@@ -270,6 +270,14 @@ class AutoSPStrategy(DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("validation_step", super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("test_step", super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("predict_step", super().predict_step, *args, **kwargs)
 
 
 def _autosp_cause(exc: BaseException) -> Optional[AutoSPError]:

@@ -64,6 +64,60 @@ class LMModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class FnModule(L.LightningModule):
+    """A user module around any model: ``loss_fn(model, batch) -> loss`` in every step."""
+
+    def __init__(self, model_factory: Callable[[], torch.nn.Module], loss_fn: Callable, lr: float = 0.1):
+        super().__init__()
+        self.model = model_factory()
+        self.loss_fn = loss_fn
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss_fn(self.model, batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.loss_fn(self.model, batch)
+        self.log("val_loss", loss)
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        loss = self.loss_fn(self.model, batch)
+        self.log("test_loss", loss)
+        return loss
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(batch["input_ids"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def reference_fn(model_factory: Callable, loss_fn: Callable, run: "Run", sp_size: int, lr: float = 0.1, bf16: bool = False):
+    """Like :func:`reference` for a :class:`FnModule` (``bf16``: under CPU bf16 autocast)."""
+    import contextlib
+
+    dp = run.world // sp_size
+    model = model_factory()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for i in range(len(run.ranks[0]["batches"])):
+        step_losses = []
+        for g in range(dp):
+            ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+            with ctx:
+                loss = loss_fn(model, run.ranks[g * sp_size]["batches"][i])
+            (loss / dp).backward()
+            step_losses.append(loss.item())
+        losses.append(step_losses)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
 class TokenData(Dataset):
     """Random tokens; labels are ignored (-100) on an uneven, sample-dependent set of positions
     so that SP ranks hold very different numbers of real targets."""
@@ -104,6 +158,26 @@ class Recorder(L.Callback):
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         self.rec["val_losses"].append(float(outputs))
 
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.rec.setdefault("test_losses", []).append(float(outputs))
+        self.rec.setdefault("eval_batches", []).append({k: v.clone() for k, v in batch.items()})
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.rec.setdefault("predictions", []).append(outputs.detach().clone())
+        self.rec.setdefault("eval_batches", []).append({k: v.clone() for k, v in batch.items()})
+
+    def _save_eval(self, trainer):
+        st = trainer.strategy
+        if isinstance(st, AutoSPStrategy):
+            self.rec["graphs"] = {k: b.graphs for k, b in st._backends.items()}
+        torch.save(self.rec, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+    def on_test_end(self, trainer, pl_module):
+        self._save_eval(trainer)
+
+    def on_predict_end(self, trainer, pl_module):
+        self._save_eval(trainer)
+
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.rec["grads"].append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
 
@@ -131,6 +205,24 @@ class Run:
         return len(self.ranks)
 
 
+def run_eval(tmp_path: Path, module: L.LightningModule, data: Dataset, devices: int, sp_size: int, stage: str) -> Run:
+    """``trainer.validate/test/predict`` on ``devices`` forked CPU processes under AutoSP."""
+    os.environ["MASTER_PORT"] = str(free_port())
+    out = tmp_path / f"eval_{stage}_{devices}_{sp_size}"
+    out.mkdir()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=AutoSPStrategy(sp_size=sp_size, compile_backend="aot_eager", start_method="fork"),
+        callbacks=[Recorder(str(out))],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    getattr(trainer, stage)(module, DataLoader(data, batch_size=2, shuffle=False))
+    return Run([torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)])
+
+
 def run_fit(
     tmp_path: Path,
     module: L.LightningModule,
@@ -142,6 +234,7 @@ def run_fit(
     accumulate: int = 1,
     backend: str = "aot_eager",
     val_data: Optional[Dataset] = None,
+    precision: str = "32-true",
 ) -> Run:
     """Fit on ``devices`` forked CPU processes; ``sp_size=None`` means plain DDP."""
     os.environ["MASTER_PORT"] = str(free_port())
@@ -157,6 +250,7 @@ def run_fit(
         strategy=strategy,
         max_steps=steps,
         accumulate_grad_batches=accumulate,
+        precision=precision,
         limit_val_batches=2 if val_data is not None else 0,
         num_sanity_val_steps=0,
         val_check_interval=steps * accumulate if val_data is not None else None,
@@ -236,3 +330,48 @@ def spawn(tmp_path: Path, fn: Callable, world: int, *args: Any) -> list[Any]:
     out.mkdir()
     mp.start_processes(_spawn_entry, args=(world, free_port(), fn, str(out), args), nprocs=world, start_method="fork")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def naive_reference_fn(model_factory: Callable, loss_fn: Callable, run: "Run", sp_size: int, lr: float = 0.1):
+    """The negative control on one device: each SP rank's slice of the sequence on its own
+    (every dim of size S sliced, masks included), losses averaged - sharding without the pass."""
+    from lightning_autosp.ops import seq_split_sizes
+
+    def chunks(batch):
+        S = batch["input_ids"].shape[1]
+        sizes = seq_split_sizes(S, sp_size)
+        starts = [sum(sizes[:r]) for r in range(sp_size)]
+        for r in range(sp_size):
+            out = {}
+            for k, t in batch.items():
+                for d in range(1, t.dim()):
+                    if t.shape[d] == S:
+                        t = t.narrow(d, starts[r], sizes[r])
+                out[k] = t.contiguous()
+            yield out
+
+    dp = run.world // sp_size
+    model = model_factory()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for i in range(len(run.ranks[0]["batches"])):
+        step_losses = []
+        for g in range(dp):
+            parts = [loss_fn(model, c) for c in chunks(run.ranks[g * sp_size]["batches"][i])]
+            loss = torch.stack(parts).mean()
+            (loss / dp).backward()
+            step_losses.append(loss.item())
+        losses.append(step_losses)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def check_against_references(run: "Run", sp_size: int, model_factory: Callable, loss_fn: Callable, tol: float = 1e-4):
+    """SP run vs one device (must match) and vs the naive sharding (must not): returns the errors."""
+    loss_err, grad_err = compare(run, sp_size, *reference_fn(model_factory, loss_fn, run, sp_size))
+    naive_loss, naive_grad = compare(run, sp_size, *naive_reference_fn(model_factory, loss_fn, run, sp_size))
+    assert loss_err <= tol and grad_err <= tol, (loss_err, grad_err)
+    assert max(naive_loss, naive_grad) > 100 * tol, "negative control: naive sharding should not match"
+    return loss_err, grad_err, naive_grad
