@@ -40,3 +40,44 @@ def test_sequence_too_short_for_sp_size(tmp_path):
     # 5 tokens over 4 ranks: the last rank would hold -1 tokens
     with pytest.raises(Exception, match=r"sequence of 5 tokens split over sp_size=4 ranks leaves the last rank -1 token"):
         run_fit(tmp_path, LMModule("gpt"), TokenData(8, 5, ignore="none"), devices=4, sp_size=4, steps=1)
+
+
+class BreakingGPT(nn.Module):
+    """The tiny GPT with something between its blocks that Dynamo cannot trace."""
+
+    def __init__(self, mode):
+        super().__init__()
+        from sp_harness import make_model
+
+        self.gpt, self.mode = make_model("gpt"), mode
+
+    def forward(self, idx):
+        g = self.gpt
+        x = g.wte(idx) + g.wpe(torch.arange(idx.shape[1]))
+        for i, block in enumerate(g.blocks):
+            if self.mode == "print" and i == 1:
+                print("between blocks")
+            if self.mode == "branch" and i == 1 and bool(x.mean() > 0):  # data-dependent Python branch
+                x = x * 1.0
+            if self.mode == "checkpoint":
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return g.head(g.ln_f(x))
+
+
+class BreakingModule(LMModule):
+    def __init__(self, mode):
+        super().__init__("gpt")
+        self.model = BreakingGPT(mode)
+
+
+@pytest.mark.parametrize("mode", ["print", "branch"])
+def test_graph_break_inside_the_model_is_reported(tmp_path, mode):
+    with pytest.raises(Exception, match=r"(?s)graph break splits the model.*graph breaks:\n  - .*Remove print/logging"):
+        run_fit(tmp_path, BreakingModule(mode), TokenData(8, 16), devices=2, sp_size=2, steps=1)
+
+
+def test_checkpointed_attention_is_reported(tmp_path):
+    with pytest.raises(Exception, match=r"attention runs inside `tag_activation_checkpoint`.*Remove torch.utils.checkpoint"):
+        run_fit(tmp_path, BreakingModule("checkpoint"), TokenData(8, 16), devices=2, sp_size=2, steps=1)
