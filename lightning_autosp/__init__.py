@@ -2,11 +2,12 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_autosp.callbacks import ActivationMemoryMonitor
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.sampler import SequenceParallelSampler
 from lightning_autosp.strategy import AutoSPStrategy
 
-__all__ = ["AutoSPStrategy", "SequenceParallelSampler", "AutoSPError"]
+__all__ = ["AutoSPStrategy", "SequenceParallelSampler", "AutoSPError", "ActivationMemoryMonitor"]
 __version__ = "0.1.0"
 
 if "autosp" not in StrategyRegistry:

@@ -21,6 +21,7 @@ from lightning_autosp._compat import graph_break_counter
 from lightning_autosp.compile import SUPPORTED_BACKENDS, AutoSPBackend
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.layout import SPLayout, validate_layout, validate_sp_size
+from lightning_autosp.passes.sac import SACConfig
 from lightning_autosp.ops import seq_split_sizes
 
 if TYPE_CHECKING:
@@ -50,8 +51,17 @@ class AutoSPStrategy(DDPStrategy):
             ``None`` uses one SP group per node (``sp_size = devices``).
         compile_backend: the ``torch.compile`` backend run after the SP pass: ``"inductor"``
             (default), ``"aot_eager"`` (fast to compile, used by the tests) or ``"eager"``.
-        sac: sequence-aware activation checkpointing. Accepted now; the SAC pass is not
-            implemented yet, so this currently changes nothing.
+        sac: sequence-aware activation checkpointing (needs ``compile_backend`` ``"inductor"`` or
+            ``"aot_eager"``): the partitioner recomputes projections, MLPs and norms in backward
+            instead of saving their outputs, while attention outputs (and what SDPA's backward
+            needs) and every collective stay saved. Gradients are unchanged; no collective runs
+            again in backward. ``False`` keeps PyTorch's default partition.
+        sac_recompute: op kinds SAC recomputes, out of ``"linear"`` (matmuls and MLP
+            activations), ``"norm"``, ``"embedding"``, ``"loss"``, ``"other"``; YAML:
+            ``sac_recompute: [linear, norm]``.
+        sac_memory_budget: the partitioner's ``activation_memory_budget`` in ``(0, 1]`` for what
+            SAC leaves to it; ``1`` keeps its runtime-optimal choice, smaller values trade compute
+            for memory (attention and collectives stay saved).
         seq_dim: the sequence dim of the batch's tensors (``[B, S]`` token ids: 1).
         **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument
             (``process_group_backend``, ``start_method``, ``timeout``, DDP kwargs such as
@@ -69,6 +79,8 @@ class AutoSPStrategy(DDPStrategy):
         sp_size: Optional[int] = None,
         compile_backend: str = "inductor",
         sac: bool = True,
+        sac_recompute: Sequence[str] = ("linear", "norm"),
+        sac_memory_budget: float = 1.0,
         seq_dim: int = 1,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -111,6 +123,7 @@ class AutoSPStrategy(DDPStrategy):
         self._sp_size_arg = sp_size
         self.compile_backend = compile_backend
         self.sac = sac
+        self.sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)
         self.seq_dim = seq_dim
         self._device_mesh: Optional["DeviceMesh"] = None
         self._backends: dict[str, AutoSPBackend] = {}
@@ -192,7 +205,8 @@ class AutoSPStrategy(DDPStrategy):
             if name in module.__dict__:  # compiled already by an earlier stage
                 continue
             backend = AutoSPBackend(
-                sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=group_name, seq_dim=self.seq_dim, backend=self.compile_backend
+                sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=group_name, seq_dim=self.seq_dim, backend=self.compile_backend,
+                sac=self.sac_config if self.sac else None,
             )
             self._backends[name] = backend
             setattr(module, name, _compiled_step(getattr(module, name), backend))

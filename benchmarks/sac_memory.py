@@ -1,0 +1,251 @@
+"""Activation memory and step time of AutoSP with and without sequence-aware activation
+checkpointing (SAC), on the bundled Llama, sp=2 on CPU/gloo (two forked processes).
+
+For every sequence length it reports, per SP rank:
+
+* bytes saved for backward per op kind (``lightning_autosp.memory.OP_KINDS``), read from the
+  compiled training graph and cross-checked against what autograd really keeps
+  (``saved_tensors_hooks`` during one forward);
+* the same bytes grouped by block: the attention block (everything inside the model's
+  ``Attention`` modules, the SP all-to-alls and attention itself) and the MLP block
+  (everything inside ``FeedForward``); norms, embedding, residuals and the loss are "rest";
+* the forward+backward time of one step (median over ``--steps``, SAC and no-SAC steps
+  interleaved, the slower rank counts; the first step of each also records what autograd
+  keeps) and the largest relative gradient difference between the two.
+
+Example (the figures in docs/memory.md)::
+
+    .venv/bin/python benchmarks/sac_memory.py --seq-lens 1024 4096 16384 --steps 2 \\
+        --out docs/sac_memory.json --plot docs/sac_memory.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
+
+from lightning_autosp.compile import AutoSPBackend  # noqa: E402
+from lightning_autosp.memory import OP_KINDS, SavedTensor  # noqa: E402
+from lightning_autosp.models import Llama, LlamaConfig  # noqa: E402
+from lightning_autosp.passes.sac import SACConfig  # noqa: E402
+
+MiB = float(1 << 20)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--n-kv-heads", type=int, default=4)
+    p.add_argument("--ffn-hidden", type=int, default=768)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--sp-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2, help="timed steps per configuration and length (>= 1)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    p.add_argument("--out", type=str, default=None, help="write the results as JSON here")
+    p.add_argument("--plot", type=str, default=None, help="bar chart (PNG) of the longest length, per op kind")
+    return p.parse_args()
+
+
+def block_of(t: SavedTensor) -> str:
+    if any("Attention" in m for m in t.modules) or t.kind in ("attention", "all_to_all") and not t.modules:
+        return "attention_block"
+    if any("FeedForward" in m or "MLP" in m for m in t.modules):
+        return "mlp_block"
+    return "rest"
+
+
+def worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> None:
+    torch.set_num_threads(args.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=args.sp_size)
+    try:
+        result = run(rank, args)
+        if rank == 0:
+            torch.save(result, os.path.join(out_dir, "result.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(rank: int, args: argparse.Namespace) -> dict:
+    cfg = LlamaConfig(
+        vocab_size=args.vocab_size, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads, ffn_hidden=args.ffn_hidden, max_seq_len=max(args.seq_lens),
+    )
+    group = dist.group.WORLD.group_name
+    configs = {"no_sac": None, "sac": SACConfig()}
+    models, steps, backends = {}, {}, {}
+    for name, sac in configs.items():
+        torch.manual_seed(0)
+        model = Llama(cfg)
+        backend = AutoSPBackend(sp_size=args.sp_size, sp_rank=rank, group_name=group, backend="aot_eager", sac=sac)
+
+        def step(ids, labels, model=model):
+            logits = model(ids)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+
+        models[name], backends[name] = model, backend
+        steps[name] = torch.compile(step, backend=backend)
+
+    def batch(S: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, cfg.vocab_size, (args.batch_size, S), generator=g)
+        labels = torch.randint(0, cfg.vocab_size, (args.batch_size, S), generator=g)
+        torch._dynamo.mark_dynamic(ids, 1)
+        torch._dynamo.mark_dynamic(labels, 1)
+        return ids, labels
+
+    def fwd_bwd(name: str, ids, labels, pack=None) -> float:
+        """One timed forward+backward; ``pack`` (a saved-tensors hook) sees what autograd keeps."""
+        dist.barrier()
+        t = time.perf_counter()
+        if pack is None:
+            steps[name](ids, labels).backward()
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                loss = steps[name](ids, labels)
+            loss.backward()
+        dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
+        return float(dt)
+
+    compile_s = {}
+    ids, labels = batch(min(args.seq_lens), 0)
+    for name in configs:  # compile (one graph serves every length)
+        t = time.perf_counter()
+        fwd_bwd(name, ids, labels)
+        compile_s[name] = time.perf_counter() - t
+        models[name].zero_grad(set_to_none=True)
+
+    results = {"config": vars(args) | {"model": cfg.__dict__}, "compile_s": compile_s, "lengths": {}}
+    for S in args.seq_lens:
+        ids, labels = batch(S, S)
+        per = {name: {"times": []} for name in configs}
+        grads = {}
+        for rep in range(args.steps):  # SAC and no-SAC steps interleaved
+            for name in configs:
+                model = models[name]
+                if rep == 0:  # also record what autograd keeps: the cross-check of the record
+                    inputs = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), ids, labels)}
+                    kept: dict[int, int] = {}
+
+                    def pack(t, inputs=inputs, kept=kept):
+                        ptr = t.untyped_storage().data_ptr()
+                        if ptr not in inputs:
+                            kept[ptr] = t.untyped_storage().nbytes()
+                        return t
+
+                    per[name]["times"].append(fwd_bwd(name, ids, labels, pack))
+                    rec = backends[name].saved[-1]
+                    per[name].update(
+                        by_kind=rec.bytes_by_kind(), by_block=rec.bytes_by(block_of),
+                        kept_by_autograd=sum(kept.values()), recomputed=rec.recomputed,
+                    )
+                    grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
+                else:
+                    per[name]["times"].append(fwd_bwd(name, ids, labels))
+                model.zero_grad(set_to_none=True)
+        g0, g1 = grads["no_sac"], grads["sac"]
+        grad_diff = max(float((g1[n] - g0[n]).norm() / g0[n].norm().clamp_min(1e-30)) for n in g0)
+        for name in configs:
+            per[name]["step_s"] = statistics.median(per[name]["times"])
+        results["lengths"][S] = {"rank": rank, "grad_rel_diff": grad_diff, **per}
+        if rank == 0:
+            print(f"S={S}: no_sac {per['no_sac']['step_s']:.2f}s, sac {per['sac']['step_s']:.2f}s", flush=True)
+    return results
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ratio(a: float, b: float) -> str:
+    return "inf" if b == 0 and a > 0 else ("1.00x" if a == b == 0 else f"{a / b:.2f}x")
+
+
+def report(res: dict) -> str:
+    lines = []
+    cfg = res["config"]
+    lines.append(
+        f"Llama dim={cfg['dim']} layers={cfg['n_layers']} heads={cfg['n_heads']} kv_heads={cfg['n_kv_heads']} "
+        f"ffn={cfg['ffn_hidden']} vocab={cfg['vocab_size']}, batch {cfg['batch_size']}, sp={cfg['sp_size']}, "
+        f"aot_eager, fp32, {cfg['threads']} thread(s) per rank; per-rank figures of rank 0."
+    )
+    lines.append("")
+    kinds = " | ".join(OP_KINDS)
+    lines.append(f"| S | SAC | {kinds} | total MiB | kept by autograd MiB | step s |")
+    lines.append("|" + "---|" * (len(OP_KINDS) + 5))
+    for S, r in res["lengths"].items():
+        for name in ("no_sac", "sac"):
+            x = r[name]
+            cells = " | ".join(f"{x['by_kind'][k] / MiB:.2f}" for k in OP_KINDS)
+            total = sum(x["by_kind"].values())
+            lines.append(
+                f"| {S} | {'on' if name == 'sac' else 'off'} | {cells} | {total / MiB:.2f} | "
+                f"{x['kept_by_autograd'] / MiB:.2f} | {x['step_s']:.2f} |"
+            )
+    lines.append("")
+    lines.append("| S | attention block off -> on (MiB) | ratio | MLP block off -> on (MiB) | ratio | "
+                 "linear kind ratio | total ratio | SAC step time overhead | max grad rel diff |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for S, r in res["lengths"].items():
+        off, on = r["no_sac"], r["sac"]
+        ab = (off["by_block"].get("attention_block", 0), on["by_block"].get("attention_block", 0))
+        mb = (off["by_block"].get("mlp_block", 0), on["by_block"].get("mlp_block", 0))
+        tot = (sum(off["by_kind"].values()), sum(on["by_kind"].values()))
+        lines.append(
+            f"| {S} | {ab[0] / MiB:.2f} -> {ab[1] / MiB:.2f} | {ratio(*ab)} | {mb[0] / MiB:.2f} -> {mb[1] / MiB:.2f} | "
+            f"{ratio(*mb)} | {ratio(off['by_kind']['linear'], on['by_kind']['linear'])} | {ratio(*tot)} | "
+            f"{100 * (on['step_s'] / off['step_s'] - 1):+.1f}% | {r['grad_rel_diff']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.steps < 1:
+        raise SystemExit("--steps must be >= 1")
+    for S in args.seq_lens:
+        if S % args.sp_size:
+            raise SystemExit(f"--seq-lens: {S} is not divisible by --sp-size {args.sp_size}")
+    with tempfile.TemporaryDirectory() as d:
+        t = time.perf_counter()
+        mp.start_processes(worker, args=(args, free_port(), d), nprocs=args.sp_size, start_method="fork")
+        res = torch.load(os.path.join(d, "result.pt"), weights_only=False)
+    res["wall_s"] = time.perf_counter() - t
+    print(report(res))
+    print(f"\nwall time {res['wall_s']:.0f}s (compile: {', '.join(f'{k} {v:.1f}s' for k, v in res['compile_s'].items())})")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+    if args.plot:
+        from lightning_autosp.callbacks import plot_saved_bytes
+
+        S = max(res["lengths"])
+        r = res["lengths"][S]
+        plot_saved_bytes(
+            {"no SAC": r["no_sac"]["by_kind"], "SAC": r["sac"]["by_kind"]}, args.plot,
+            title=f"Saved for backward per rank, Llama d={args.dim}, S={S}, sp={args.sp_size}",
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,424 @@
+"""Activation memory bookkeeping: which op kind produced each tensor saved for backward.
+
+Two measurements share one vocabulary (:data:`OP_KINDS`) and one classifier (:func:`op_kind`):
+
+* **compiled** (AutoSP with an AOT backend): the partitioned forward graph returns, after the
+  user outputs, the tensors it saves for backward. :func:`list_saved_activations` maps each of
+  them to the aten op that produced it (through views) and keeps its size as a symbolic
+  expression; :class:`SavedActivations` evaluates it with the sequence length of each call.
+* **eager** (single device, plain DDP): :class:`EagerSavedTensors` records, during one
+  forward, the aten op and innermost module that produced every tensor
+  (a ``TorchDispatchMode`` plus module hooks), and the tensors autograd saves
+  (``torch.autograd.graph.saved_tensors_hooks``).
+
+A tensor is attributed to the op that *produced* it, the same way on both paths. Tensors that
+exist before the forward starts (parameters, the batch) are not activations and are not
+counted. Views are resolved to the tensor they alias, and each allocation counts once.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "OP_KINDS",
+    "op_kind",
+    "node_kind",
+    "SavedTensor",
+    "SavedActivations",
+    "list_saved_activations",
+    "EagerSavedTensors",
+    "empty_by_kind",
+]
+
+#: Op kinds of the activation memory report, in display order.
+#:
+#: ``attention``: scaled-dot-product attention outputs (and the elementwise work of attention
+#: modules: RoPE, GQA repeats); ``all_to_all``: outputs of the SP collectives; ``linear``:
+#: matmuls (projections, MLPs, the LM head) and MLP activations/gating; ``norm``: layer/RMS
+#: norms; ``embedding``: embedding lookups; ``loss``: log-softmax and the loss; ``other``:
+#: everything else (residual adds, RoPE tables, masks).
+OP_KINDS = ("attention", "all_to_all", "linear", "norm", "embedding", "loss", "other")
+
+_COLLECTIVE_NAMESPACES = frozenset({"autosp", "_c10d_functional", "c10d_functional"})
+_BY_OP: dict[str, str] = {}
+for _kind, _names in {
+    "attention": (
+        "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable",
+        "_scaled_dot_product_attention_math", "_scaled_dot_product_attention_math_for_mps",
+        "_flash_attention_forward", "_efficient_attention_forward",
+    ),
+    "linear": (
+        "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "mv", "addmv",
+        "_addmm_activation", "_scaled_mm",
+        # activations: the elementwise half of an MLP
+        "silu", "gelu", "relu", "sigmoid", "tanh", "hardswish", "hardsigmoid", "leaky_relu",
+        "elu", "mish", "softplus", "glu", "hardtanh", "relu6",
+    ),
+    "norm": (
+        "native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm", "native_group_norm",
+        "group_norm", "native_batch_norm", "batch_norm", "_native_batch_norm_legit",
+        "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
+        "_batch_norm_with_update", "_batch_norm_with_update_functional",
+    ),
+    "embedding": ("embedding", "embedding_bag", "_embedding_bag"),
+    "loss": (
+        "_log_softmax", "log_softmax", "nll_loss_forward", "nll_loss2d_forward", "nll_loss",
+        "cross_entropy_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
+        "binary_cross_entropy", "binary_cross_entropy_with_logits",
+    ),
+}.items():
+    for _n in _names:
+        _BY_OP[_n] = _kind
+
+# innermost-module class names (lower case) -> kind, for ops without a kind of their own
+_BY_MODULE = (
+    ("norm", "norm"),
+    ("embedding", "embedding"),
+    ("mlp", "linear"),
+    ("feedforward", "linear"),
+    ("ffn", "linear"),
+    ("swiglu", "linear"),
+    ("geglu", "linear"),
+    ("attention", "attention"),
+    ("attn", "attention"),
+)
+
+
+def empty_by_kind() -> dict[str, int]:
+    return {k: 0 for k in OP_KINDS}
+
+
+def op_kind(op_name: str, module_type: Optional[str] = None) -> str:
+    """The kind of an op, from its qualified name (``"aten::mm"``, ``"autosp::all_to_all"``)
+    and, for ops with no kind of their own (elementwise, reductions), the class name of the
+    innermost module it ran in (``"RMSNorm"`` -> ``norm``, ``"FeedForward"`` -> ``linear``)."""
+    ns, _, name = op_name.rpartition("::")
+    if ns in _COLLECTIVE_NAMESPACES:
+        return "all_to_all"
+    kind = _BY_OP.get(name)
+    if kind is not None:
+        return kind
+    if module_type:
+        low = module_type.lower()
+        for key, k in _BY_MODULE:
+            if key in low:
+                return k
+    return "other"
+
+
+def _op_name(target: Any) -> Optional[str]:
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
+def _is_alias(target: Any) -> bool:
+    """Ops whose output shares its input's storage (views, and ``_unsafe_view``)."""
+    return isinstance(target, torch._ops.OpOverload) and (
+        target.is_view or target._overloadpacket in (torch.ops.aten._unsafe_view, torch.ops.aten.alias)
+    )
+
+
+def module_types(node: fx.Node) -> tuple[str, ...]:
+    """Class names of the modules ``node`` ran in (``nn_module_stack``), outermost first."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    out = []
+    for _, mod_type in stack.values():
+        out.append(mod_type.__name__ if isinstance(mod_type, type) else str(mod_type).rsplit(".", 1)[-1])
+    return tuple(out)
+
+
+def _innermost_module_type(node: fx.Node) -> Optional[str]:
+    types = module_types(node)
+    return types[-1] if types else None
+
+
+def producer(node: fx.Node) -> fx.Node:
+    """The node whose allocation ``node`` aliases (walks back through views)."""
+    while node.op == "call_function" and _is_alias(node.target) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def node_kind(node: fx.Node) -> str:
+    """The :data:`OP_KINDS` entry of an aten-level FX node (views take their input's kind;
+    ``getitem`` of a multi-output op takes that op's kind)."""
+    node = producer(node)
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = producer(node.args[0])
+    if node.op != "call_function":
+        return "other"
+    # inductor decomposes before partitioning; ``original_aten`` keeps the op it came from
+    name = _op_name(node.meta.get("original_aten")) or _op_name(node.target)
+    return op_kind(name, _innermost_module_type(node)) if name else "other"
+
+
+def _to_expr(v: Any) -> sympy.Expr:
+    if isinstance(v, torch.SymInt):
+        return sympy.sympify(v.node.expr)
+    return sympy.Integer(int(v))
+
+
+@dataclass
+class SavedTensor:
+    """One allocation the forward graph keeps alive for backward."""
+
+    name: str
+    kind: str
+    nbytes: sympy.Expr
+    shape: tuple[str, ...]
+    dtype: str
+    #: class names of the modules the producing op ran in, outermost first (may be empty for
+    #: ops a pass inserted)
+    modules: tuple[str, ...] = ()
+
+
+@dataclass
+class SavedActivations:
+    """The tensors one compiled training graph saves for backward, and what its partition did.
+
+    ``tensors`` have symbolic sizes; :meth:`bytes_by_kind` evaluates them for the sequence
+    length of the latest call (``binding``, set by the backend before every call).
+    """
+
+    tensors: list[SavedTensor]
+    #: collectives in the forward / backward graph after partitioning
+    fw_collectives: int = 0
+    bw_collectives: int = 0
+    #: forward ops (by aten name) that the backward graph recomputes
+    recomputed: dict[str, int] = field(default_factory=dict)
+    sac: bool = False
+    calls: int = 0
+    #: names of the size symbols (``"s0"``) and their values in the latest call
+    symbols: tuple[str, ...] = ()
+    binding: tuple[int, ...] = ()
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def bytes_by_kind(self, binding: Optional[Mapping[str, int]] = None) -> dict[str, int]:
+        """Bytes saved per op kind by one call; ``binding`` maps size-symbol names to values
+        (default: those of the latest call)."""
+        if binding is None:
+            binding = dict(zip(self.symbols, self.binding))
+        key = tuple(sorted(binding.items()))
+        if key not in self._cache:
+            out = empty_by_kind()
+            out.update(self.bytes_by(lambda t: t.kind, binding))
+            self._cache[key] = out
+        return dict(self._cache[key])
+
+    def bytes_by(self, group: Callable[[SavedTensor], str], binding: Optional[Mapping[str, int]] = None) -> dict[str, int]:
+        """Bytes saved by one call, summed per ``group(tensor)`` (e.g. by module)."""
+        if binding is None:
+            binding = dict(zip(self.symbols, self.binding))
+        out: dict[str, int] = {}
+        for t in self.tensors:
+            g = group(t)
+            out[g] = out.get(g, 0) + _evaluate(t.nbytes, binding, t.name)
+        return out
+
+    @property
+    def total_expr(self) -> sympy.Expr:
+        return sympy.expand(sum((t.nbytes for t in self.tensors), sympy.Integer(0)))
+
+
+def _evaluate(expr: sympy.Expr, binding: Mapping[str, int], name: str) -> int:
+    if expr.is_Integer:
+        return int(expr)
+    missing = sorted(str(s) for s in expr.free_symbols if str(s) not in binding)
+    if missing:
+        raise ValueError(f"saved tensor {name}: size {expr} depends on unbound symbols {missing}")
+    val = expr.subs({s: binding[str(s)] for s in expr.free_symbols})
+    return int(val)
+
+
+def list_saved_activations(fw: fx.GraphModule, num_fwd_outputs: int) -> list[SavedTensor]:
+    """Read-only pass over a partitioned forward graph: the tensors it saves for backward.
+
+    The outputs after the first ``num_fwd_outputs`` are saved for backward. Each is resolved
+    through views to the allocation it aliases; graph inputs (parameters, the batch) are not
+    activations and are skipped; each allocation counts once.
+    """
+    out_node = fw.graph.find_nodes(op="output")[0]
+    outs = tree_leaves(out_node.args[0])
+    seen: set[fx.Node] = set()
+    saved: list[SavedTensor] = []
+    for n in outs[num_fwd_outputs:]:
+        if not isinstance(n, fx.Node):
+            continue
+        base = producer(n)
+        if base.op == "placeholder" or base in seen:
+            continue
+        val = base.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue  # saved SymInts
+        seen.add(base)
+        nbytes = _to_expr(val.numel()) * val.element_size()
+        saved.append(
+            SavedTensor(
+                name=base.name,
+                kind=node_kind(base),
+                nbytes=sympy.expand(nbytes),
+                shape=tuple(str(s) for s in val.shape),
+                dtype=str(val.dtype).removeprefix("torch."),
+                modules=module_types(base),
+            )
+        )
+    return saved
+
+
+def count_ops(gm: fx.GraphModule, namespaces: Iterable[str] = _COLLECTIVE_NAMESPACES) -> int:
+    ns = set(namespaces)
+    return sum(
+        1 for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in ns
+    )
+
+
+# ----------------------------------------------------------------------------- eager
+def _storage_key(t: torch.Tensor) -> Optional[int]:
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    ptr = st.data_ptr()
+    return ptr if ptr else None
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
+class _ProducerMode(TorchDispatchMode):
+    """Remembers, for every allocation made during the forward, the kind of op that made it."""
+
+    def __init__(self, owner: "EagerSavedTensors") -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _is_alias(func):
+            return out
+        ins = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        kind = None
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                key = _storage_key(t)
+                if key is None or key in ins:  # in-place / out= ops keep their producer
+                    continue
+                if kind is None:
+                    stack = self.owner._module_stack
+                    kind = op_kind(func._schema.name, stack[-1] if stack else None)
+                self.owner._producers[key] = kind
+        return out
+
+
+class EagerSavedTensors:
+    """Measure, for one eager forward, the bytes autograd saves for backward per op kind.
+
+    ``start(module)`` before the forward, ``stop()`` after it (before backward); then
+    :attr:`by_kind` holds the bytes per :data:`OP_KINDS` entry. Module hooks stay registered
+    on ``module`` between calls (they only act while a measurement runs); :meth:`close`
+    removes them. Holds no reference to any tensor.
+    """
+
+    def __init__(self) -> None:
+        self._module_stack: list[str] = []
+        self._producers: dict[int, str] = {}
+        self._saved: dict[int, tuple[int, str]] = {}
+        self._handles: list[Any] = []
+        self._hooked: Optional[weakref.ref] = None
+        self._ctx: list[Any] = []
+        self.active = False
+        self.by_kind: dict[str, int] = empty_by_kind()
+
+    # module context -----------------------------------------------------------
+    def _hook(self, module: torch.nn.Module) -> None:
+        if self._hooked is not None and self._hooked() is module:
+            return
+        self.close()
+        names = {m: type(m).__name__ for m in module.modules()}
+
+        def pre(mod, args):
+            if self.active:
+                self._module_stack.append(names.get(mod, type(mod).__name__))
+
+        def post(mod, args, out):
+            if self.active and self._module_stack:
+                self._module_stack.pop()
+
+        for m in names:
+            self._handles.append(m.register_forward_pre_hook(pre))
+            self._handles.append(m.register_forward_hook(post, always_call=True))
+        self._hooked = weakref.ref(module)
+
+    def close(self) -> None:
+        if self.active:
+            self.stop()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._hooked = None
+
+    # saved tensors --------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key is not None and key not in self._saved:
+            kind = self._producers.get(key)
+            if kind is not None:  # produced during this forward: an activation
+                self._saved[key] = (_storage_bytes(t), kind)
+        return t
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def start(self, module: torch.nn.Module) -> None:
+        if self.active:
+            self.stop()
+        self._hook(module)
+        self._module_stack.clear()
+        self._producers.clear()
+        self._saved.clear()
+        self.active = True
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        mode = _ProducerMode(self)
+        hooks.__enter__()
+        mode.__enter__()
+        self._ctx = [hooks, mode]
+
+    def stop(self) -> dict[str, int]:
+        if not self.active:
+            return self.by_kind
+        for ctx in reversed(self._ctx):
+            ctx.__exit__(None, None, None)
+        self._ctx = []
+        self.active = False
+        out = empty_by_kind()
+        for nbytes, kind in self._saved.values():
+            out[kind] += nbytes
+        self.by_kind = out
+        self._producers.clear()
+        self._saved.clear()
+        self._module_stack.clear()
+        return out
+

@@ -1,0 +1,292 @@
+"""Sequence-aware activation checkpointing (SAC): a partition policy on the AOT joint graph.
+
+At long sequence lengths attention costs O(s^2) FLOPs while projections and MLPs cost O(s),
+so recomputing the matmuls in backward is cheap next to attention and frees most activation
+memory. PyTorch's min-cut partitioner refuses to recompute matmuls on its own; this module
+tells it which forward ops to recompute through its public contract, ``node.meta["recompute"]``:
+
+* every SP collective (``autosp::*``, ``_c10d_functional::*``), every attention op, its
+  outputs and its inputs are ``MUST_SAVE``: attention never runs twice and no collective is
+  re-issued in backward (the partitioner would otherwise recompute a custom-op collective
+  under a memory budget);
+* forward ops of the kinds in :attr:`SACConfig.recompute` (default ``linear`` - matmuls and
+  MLP activations - and ``norm``) are ``PREFER_RECOMPUTE``, which the min-cut partitioner
+  treats as "recompute in backward": their outputs are not saved;
+* everything else (residual adds, embeddings, the loss, RoPE tables) is left to the
+  partitioner's own cost model, optionally under an ``activation_memory_budget``.
+
+Op kinds are those of the memory report (:data:`lightning_autosp.memory.OP_KINDS`), so what
+SAC recomputes is what the :class:`~lightning_autosp.callbacks.ActivationMemoryMonitor` shows
+shrinking.
+
+:class:`SACPartitioner` is the partition function of one AutoSP compile: tag (when SAC is on),
+run ``min_cut_rematerialization_partition``, check the postcondition, and record the saved
+activations (:class:`~lightning_autosp.memory.SavedActivations`). It is passed explicitly to
+AOT autograd (``aot_eager``) or as inductor's ``custom_partitioner_fn`` config patch for our
+compile only, so any other ``torch.compile`` in the process is unaffected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch.utils.checkpoint import CheckpointPolicy
+
+from lightning_autosp import memory
+from lightning_autosp.errors import AutoSPError
+from lightning_autosp.memory import OP_KINDS, SavedActivations, list_saved_activations, node_kind
+
+__all__ = ["SACConfig", "SACStats", "RECOMPUTABLE_KINDS", "sac_tag_pass", "SACPartitioner"]
+
+log = logging.getLogger(__name__)
+
+#: kinds SAC may recompute; attention and collectives are always saved
+RECOMPUTABLE_KINDS = ("linear", "norm", "embedding", "loss", "other")
+_ALWAYS_SAVED = ("attention", "all_to_all")
+
+
+@dataclass(frozen=True)
+class SACConfig:
+    """What sequence-aware activation checkpointing may recompute.
+
+    Args:
+        recompute: op kinds whose forward ops are recomputed in backward instead of saved, out
+            of :data:`RECOMPUTABLE_KINDS`. ``"linear"`` covers matmuls (attention projections,
+            MLPs, the LM head) and MLP activations; ``"norm"`` layer/RMS norms. Attention and
+            collectives are always saved and cannot be listed.
+        memory_budget: ``activation_memory_budget`` of the min-cut partitioner for the ops left
+            to it, in ``(0, 1]``. ``1`` (default) keeps its runtime-optimal choice; smaller values
+            let it recompute more to save memory. Attention and collectives stay saved at any
+            budget.
+    """
+
+    recompute: tuple[str, ...] = ("linear", "norm")
+    memory_budget: float = 1.0
+
+    def __post_init__(self) -> None:
+        rec = self.recompute
+        if isinstance(rec, str) or not isinstance(rec, (tuple, list)):
+            raise ValueError(
+                f"sac_recompute={rec!r}: expected a list of op kinds out of {list(RECOMPUTABLE_KINDS)}."
+            )
+        bad = [k for k in rec if k not in RECOMPUTABLE_KINDS]
+        if bad:
+            why = (
+                "attention and collectives are always saved (recomputing them would re-run O(s^2) "
+                "attention or re-issue communication in backward)"
+                if any(k in _ALWAYS_SAVED for k in bad)
+                else f"known kinds are {list(OP_KINDS)}"
+            )
+            raise ValueError(
+                f"sac_recompute={list(rec)!r}: cannot recompute {bad}; {why}. "
+                f"Choose from {list(RECOMPUTABLE_KINDS)}."
+            )
+        object.__setattr__(self, "recompute", tuple(dict.fromkeys(rec)))
+        b = self.memory_budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 1:
+            raise ValueError(
+                f"sac_memory_budget={b!r}: expected a number in (0, 1]. 1 keeps the partitioner's "
+                "runtime-optimal choice; 0 is not allowed because the partitioner then recomputes "
+                "everything, collectives and attention included."
+            )
+        object.__setattr__(self, "memory_budget", float(b))
+
+
+@dataclass
+class SACStats:
+    """What :func:`sac_tag_pass` tagged (also stored as ``gm.meta["autosp_sac"]``)."""
+
+    must_save: Counter = field(default_factory=Counter)
+    recompute: Counter = field(default_factory=Counter)
+
+
+def _is_collective(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in memory._COLLECTIVE_NAMESPACES
+
+
+def _is_attention(node: fx.Node) -> bool:
+    name = memory._op_name(node.target) if node.op == "call_function" else None
+    return name is not None and memory.op_kind(name) == "attention"
+
+
+def _is_random(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
+
+
+def _has_tensor_output(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return any(isinstance(v, torch.Tensor) for v in val)
+    return isinstance(val, torch.Tensor)
+
+
+def forward_nodes(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
+    """Nodes of the joint graph needed to compute its forward outputs."""
+    out = joint.graph.find_nodes(op="output")[0]
+    todo = [n for n in torch.utils._pytree.tree_leaves(out.args[0])[:num_fwd_outputs] if isinstance(n, fx.Node)]
+    seen: set[fx.Node] = set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConfig) -> fx.GraphModule:
+    """Tag the forward nodes of an AOT joint graph with the SAC checkpoint policy (in place).
+
+    Postcondition: every forward collective, every attention op, its ``getitem`` outputs and
+    its tensor inputs are ``MUST_SAVE``; every other forward op whose kind is in
+    ``config.recompute`` (random ops excepted) is ``PREFER_RECOMPUTE``, with the ``getitem``
+    outputs of a multi-output op tagged like the op; nothing else is tagged.
+    """
+    fwd = forward_nodes(joint, num_fwd_outputs)
+    stats = SACStats()
+
+    def save(n: fx.Node, why: str) -> None:
+        if n.op == "call_function" and n.meta.get("recompute") is not CheckpointPolicy.MUST_SAVE:
+            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            stats.must_save[why] += 1
+
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or node not in fwd:
+            continue
+        if _is_collective(node):
+            save(node, "all_to_all")
+        elif _is_attention(node):
+            save(node, "attention")
+            for u in node.users:
+                if u.target is operator.getitem:
+                    save(u, "attention")
+            for a in node.all_input_nodes:
+                if isinstance(a.meta.get("val"), torch.Tensor):
+                    save(a, "attention")
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or node not in fwd or "recompute" in node.meta:
+            continue
+        if node.target is operator.getitem or not _has_tensor_output(node) or _is_random(node):
+            continue  # getitems follow the multi-output op they read
+        kind = node_kind(node)
+        if kind in config.recompute:
+            for n in (node, *(u for u in node.users if u.target is operator.getitem)):
+                n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+            stats.recompute[kind] += 1
+    joint.meta["autosp_sac"] = stats
+    return joint
+
+
+def _recomputed_ops(fw: fx.GraphModule, bw: fx.GraphModule) -> dict[str, int]:
+    fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
+    counts: Counter = Counter()
+    for n in bw.graph.nodes:
+        if n.op == "call_function" and n.name in fw_names:
+            name = memory._op_name(n.target) or getattr(n.target, "__name__", str(n.target))
+            counts[name.rpartition("::")[2]] += 1
+    return dict(counts)
+
+
+class SACPartitioner(CustomPartitionerFn):
+    """The partition function of one AutoSP compile.
+
+    ``config=None``: PyTorch's min-cut partition unchanged (only the bookkeeping is added).
+    Otherwise :func:`sac_tag_pass`, then the min-cut partition under ``config.memory_budget``.
+    Either way the result is checked - no collective and no attention op of the forward runs
+    again in backward - and the saved activations of the forward graph are appended to
+    :attr:`records`.
+
+    Usable as AOT autograd's ``partition_fn`` and as inductor's ``custom_partitioner_fn``.
+    """
+
+    def __init__(self, config: Optional[SACConfig] = None) -> None:
+        self.config = config
+        self.records: list[SavedActivations] = []
+
+    def __call__(
+        self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        num_fwd_outputs: int = kwargs["num_fwd_outputs"]
+        budget = 1.0
+        if self.config is not None:
+            sac_tag_pass(gm, num_fwd_outputs=num_fwd_outputs, config=self.config)
+            budget = self.config.memory_budget
+        fw, bw = self._partition(gm, joint_inputs, budget, kwargs)
+        violation = self._violation(gm, fw, bw, num_fwd_outputs)
+        if violation and budget < 1:
+            # torch's budget solver mishandles MUST_SAVE on multi-output ops (attention): it may
+            # save the op's tuple, or neither the op nor its outputs. Keep the invariants and
+            # give up the budget for this graph.
+            log.warning(
+                "AutoSP SAC: with sac_memory_budget=%s the partitioner %s; using the budget-free "
+                "partition for this graph instead. Raise sac_memory_budget or recompute fewer kinds.",
+                budget, violation,
+            )
+            fw, bw = self._partition(gm, joint_inputs, 1.0, kwargs)
+            violation = self._violation(gm, fw, bw, num_fwd_outputs)
+        if violation:
+            raise AutoSPError(
+                f"internal: the partitioner {violation}. Report this; `AutoSPStrategy(sac=False)` is a workaround."
+            )
+        record = SavedActivations(
+            tensors=list_saved_activations(fw, num_fwd_outputs),
+            fw_collectives=memory.count_ops(fw),
+            bw_collectives=memory.count_ops(bw),
+            recomputed=_recomputed_ops(fw, bw),
+            sac=self.config is not None,
+        )
+        self.records.append(record)
+        log.debug(
+            "AutoSP partition (sac=%s): %d saved tensors, recomputed %s", self.config, len(record.tensors), record.recomputed
+        )
+        return fw, bw
+
+    @staticmethod
+    def _partition(
+        gm: fx.GraphModule, joint_inputs: Sequence[object], budget: float, kwargs: dict
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        ctx = torch._functorch.config.patch(activation_memory_budget=budget) if budget < 1 else contextlib.nullcontext()
+        with ctx:
+            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+    @staticmethod
+    def _violation(joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> Optional[str]:
+        """Why the partition is unusable - it saves a multi-output op's tuple, or a forward
+        collective or attention op would run again in backward - or ``None``."""
+        saved = torch.utils._pytree.tree_leaves(fw.graph.find_nodes(op="output")[0].args[0])[num_fwd_outputs:]
+        tuples = [n.name for n in saved if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), (tuple, list))]
+        if tuples:
+            return f"would save multi-output op(s) {tuples} whole instead of their outputs"
+        fwd = forward_nodes(joint, num_fwd_outputs)
+        joint_bw = sum(1 for n in joint.graph.nodes if n not in fwd and _is_collective(n))
+        got_bw = memory.count_ops(bw)
+        if got_bw != joint_bw:
+            return (
+                f"put {got_bw} collectives in the backward graph where autograd needs {joint_bw} "
+                "(a forward collective would be re-issued)"
+            )
+        fw_attn = {n.name for n in fw.graph.nodes if n.op == "call_function" and _is_attention(n)}
+        again = [n.name for n in bw.graph.nodes if n.op == "call_function" and n.name in fw_attn]
+        if again:
+            return f"would recompute attention op(s) {again} in backward"
+        return None
+
+    # inductor's cache keys the compiled graph on this; the records are not part of it
+    def uuid(self) -> Any:
+        return (get_hash_for_files((__file__, memory.__file__)), repr(self.config))
+
+    def __getstate__(self) -> dict:
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict) -> None:
+        self.config = state["config"]
+        self.records = []
