@@ -24,11 +24,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
 from lightning_autosp.data import KVRecallDataset  # noqa: E402
-from lightning_autosp.models import Llama, LlamaConfig  # noqa: E402
+from lightning_autosp.models import build_model  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["llama", "gpt"], default="llama")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--num-pairs", type=int, default=16)
@@ -36,11 +37,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-keys", type=int, default=64)
     p.add_argument("--num-values", type=int, default=16)
     p.add_argument("--num-filler", type=int, default=32)
+    p.add_argument("--pair-repeats", type=int, default=1)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--n-heads", type=int, default=4)
     p.add_argument("--n-kv-heads", type=int, default=2)
     p.add_argument("--ffn-hidden", type=int, default=128)
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--init-std", type=float, default=0.02)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup-steps", type=int, default=20)
@@ -60,13 +64,13 @@ def main() -> None:
     ds = KVRecallDataset(
         size=args.steps * args.batch_size, seq_len=args.seq_len, num_pairs=args.num_pairs,
         num_queries=args.num_queries, num_keys=args.num_keys, num_values=args.num_values,
-        num_filler=args.num_filler, seed=args.seed,
+        num_filler=args.num_filler, pair_repeats=args.pair_repeats, seed=args.seed,
     )
-    cfg = LlamaConfig(
-        vocab_size=ds.vocab_size, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+    model = build_model(
+        args.model, vocab_size=ds.vocab_size, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
         n_kv_heads=args.n_kv_heads, ffn_hidden=args.ffn_hidden, max_seq_len=args.seq_len,
+        init_std=args.init_std, **({"rope_theta": args.rope_theta} if args.model == "llama" else {}),
     )
-    model = Llama(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"config: {json.dumps(vars(args))}")
     print(f"vocab={ds.vocab_size} params={n_params} chance_acc={ds.chance_accuracy:.4f}")

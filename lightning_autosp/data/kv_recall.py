@@ -70,6 +70,7 @@ class KVRecallDataset(Dataset):
         num_keys: int = 64,
         num_values: int = 16,
         num_filler: int = 32,
+        pair_repeats: int = 1,
         seed: int = 0,
     ) -> None:
         if size < 0:
@@ -78,11 +79,13 @@ class KVRecallDataset(Dataset):
             raise ValueError("num_pairs and num_queries must be >= 1")
         if num_pairs > num_keys:
             raise ValueError(f"num_pairs ({num_pairs}) cannot exceed num_keys ({num_keys}): keys are distinct")
-        if num_values < 1 or num_filler < 1:
-            raise ValueError("num_values and num_filler must be >= 1")
-        min_len = 1 + 2 * num_pairs + 2 * num_queries
+        if num_values < 1 or num_filler < 1 or pair_repeats < 1:
+            raise ValueError("num_values, num_filler and pair_repeats must be >= 1")
+        min_len = 1 + 2 * num_pairs * pair_repeats + num_queries
         if seq_len < min_len:
-            raise ValueError(f"seq_len ({seq_len}) must be >= 1 + 2 * num_pairs + 2 * num_queries = {min_len}")
+            raise ValueError(
+                f"seq_len ({seq_len}) must be >= 1 + 2 * num_pairs * pair_repeats + num_queries = {min_len}"
+            )
         self.size = size
         self.seq_len = seq_len
         self.num_pairs = num_pairs
@@ -90,6 +93,7 @@ class KVRecallDataset(Dataset):
         self.num_keys = num_keys
         self.num_values = num_values
         self.num_filler = num_filler
+        self.pair_repeats = pair_repeats
         self.seed = seed
         self.key_offset = 1
         self.value_offset = self.key_offset + num_keys
@@ -104,9 +108,14 @@ class KVRecallDataset(Dataset):
         return 1.0 / self.num_values
 
     @property
+    def pairs_end(self) -> int:
+        """One past the last position of the (repeated) pair region."""
+        return 1 + 2 * self.num_pairs * self.pair_repeats
+
+    @property
     def query_start(self) -> int:
         """Position of the first query key."""
-        return self.seq_len - 2 * self.num_queries
+        return self.seq_len - self.num_queries
 
     def __len__(self) -> int:
         return self.size
@@ -119,17 +128,21 @@ class KVRecallDataset(Dataset):
 
         keys = torch.randperm(self.num_keys, generator=g)[:P] + self.key_offset  # [P], distinct
         values = torch.randint(self.num_values, (P,), generator=g) + self.value_offset  # [P]
-        pairs = torch.stack((keys, values), dim=1).reshape(2 * P)  # [2P]: k1 v1 k2 v2 ...
+        # Each repeat of the pair block lists all pairs in a fresh random order.
+        order = torch.stack([torch.randperm(P, generator=g) for _ in range(self.pair_repeats)])  # [R, P]
+        pairs = torch.stack((keys[order], values[order]), dim=-1)  # [R, P, 2]
+        pairs = pairs.reshape(2 * P * self.pair_repeats)  # [2PR]: k v k v ...
 
-        n_filler = S - 1 - 2 * P - 2 * Q
+        n_filler = S - self.pairs_end - Q
         filler = torch.randint(self.num_filler, (n_filler,), generator=g) + self.filler_offset  # [n_filler]
 
+        # Queries: keys only, one per position; the answers never appear in the query region, so
+        # every answer must be fetched from the pair region at the start of the sequence.
         which = torch.randint(P, (Q,), generator=g)  # [Q] pair index asked by each query
-        queries = torch.stack((keys[which], values[which]), dim=1).reshape(2 * Q)  # [2Q]: q1 a1 q2 a2 ...
 
-        input_ids = torch.cat((torch.tensor([self.BOS]), pairs, filler, queries))  # [S]
+        input_ids = torch.cat((torch.tensor([self.BOS]), pairs, filler, keys[which]))  # [S]
         labels = torch.full((S,), IGNORE_INDEX, dtype=torch.long)  # [S]
-        labels[self.query_start :: 2] = values[which]
+        labels[self.query_start :] = values[which]
         return {"input_ids": input_ids, "labels": labels}
 
 
@@ -149,6 +162,7 @@ class KVRecallDataModule(LightningDataModule):
         num_keys: int = 64,
         num_values: int = 16,
         num_filler: int = 32,
+        pair_repeats: int = 1,
         train_size: int = 4096,
         val_size: int = 64,
         batch_size: int = 8,
@@ -163,6 +177,7 @@ class KVRecallDataModule(LightningDataModule):
         self.num_keys = num_keys
         self.num_values = num_values
         self.num_filler = num_filler
+        self.pair_repeats = pair_repeats
         self.train_size = train_size
         self.val_size = val_size
         self.batch_size = batch_size
@@ -174,7 +189,8 @@ class KVRecallDataModule(LightningDataModule):
     def _dataset(self, size: int, seed: int) -> KVRecallDataset:
         return KVRecallDataset(
             size=size, seq_len=self.seq_len, num_pairs=self.num_pairs, num_queries=self.num_queries,
-            num_keys=self.num_keys, num_values=self.num_values, num_filler=self.num_filler, seed=seed,
+            num_keys=self.num_keys, num_values=self.num_values, num_filler=self.num_filler,
+            pair_repeats=self.pair_repeats, seed=seed,
         )
 
     @property
