@@ -115,10 +115,9 @@ def test_lengths_change_without_recompiling(tmp_path):
 
 
 # ------------------------------------------------------------------ Hugging Face models
-transformers = pytest.importorskip("transformers")
-
-
 def hf_model(family):
+    transformers = pytest.importorskip("transformers")
+
     def build():
         torch.manual_seed(7)
         common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
