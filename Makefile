@@ -12,7 +12,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,plot]"
 	touch $@
 
 demo: install

@@ -89,7 +89,7 @@ class CausalLMModule(LightningModule):
     def training_step(self, batch: Dict[str, Tensor], batch_idx: int) -> Tensor:
         logits = self(batch["input_ids"])
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), batch["labels"].view(-1), ignore_index=-100)
-        self.train_acc(logits.detach().argmax(-1), batch["labels"])
+        _update(self.train_acc, logits.detach().argmax(-1), batch["labels"])
         self.log("train_loss", loss, prog_bar=True)
         self.log("train_acc", self.train_acc, prog_bar=True)
         return loss
@@ -97,7 +97,7 @@ class CausalLMModule(LightningModule):
     def validation_step(self, batch: Dict[str, Tensor], batch_idx: int) -> Tensor:
         logits = self(batch["input_ids"])
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), batch["labels"].view(-1), ignore_index=-100)
-        self.val_acc(logits.argmax(-1), batch["labels"])
+        _update(self.val_acc, logits.argmax(-1), batch["labels"])
         self.log("val_loss", loss, prog_bar=True, on_step=False, on_epoch=True)
         self.log("val_acc", self.val_acc, prog_bar=True, on_step=False, on_epoch=True)
         return loss
@@ -118,6 +118,13 @@ class CausalLMModule(LightningModule):
         warmup = max(1, int(self.hparams.warmup_steps))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _LinearWarmup(warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@torch.compiler.disable
+def _update(metric: MulticlassAccuracy, preds: Tensor, target: Tensor) -> None:
+    """Metric updates run eagerly: Dynamo would otherwise trace torchmetrics' bookkeeping and
+    recompile for each new ``_update_count`` (a common pattern for any compiled step)."""
+    metric(preds, target)
 
 
 class _LinearWarmup:
