@@ -95,10 +95,9 @@ class FnModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def reference_fn(model_factory: Callable, loss_fn: Callable, run: "Run", sp_size: int, lr: float = 0.1, bf16: bool = False):
-    """Like :func:`reference` for a :class:`FnModule` (``bf16``: under CPU bf16 autocast)."""
-    import contextlib
-
+def replay(model_factory: Callable, step_loss: Callable, run: "Run", sp_size: int, lr: float = 0.1):
+    """Replay the batches each DP group saw on one device: per-step losses of each group and
+    the DP-averaged gradients before each SGD step. ``step_loss(model, batch) -> loss``."""
     dp = run.world // sp_size
     model = model_factory()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -106,9 +105,7 @@ def reference_fn(model_factory: Callable, loss_fn: Callable, run: "Run", sp_size
     for i in range(len(run.ranks[0]["batches"])):
         step_losses = []
         for g in range(dp):
-            ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-            with ctx:
-                loss = loss_fn(model, run.ranks[g * sp_size]["batches"][i])
+            loss = step_loss(model, run.ranks[g * sp_size]["batches"][i])
             (loss / dp).backward()
             step_losses.append(loss.item())
         losses.append(step_losses)
@@ -116,6 +113,16 @@ def reference_fn(model_factory: Callable, loss_fn: Callable, run: "Run", sp_size
         opt.step()
         opt.zero_grad()
     return losses, grads
+
+
+def reference_fn(model_factory: Callable, loss_fn: Callable, run: "Run", sp_size: int, lr: float = 0.1, bf16: bool = False):
+    """Like :func:`reference` for a :class:`FnModule` (``bf16``: under CPU bf16 autocast)."""
+
+    def step_loss(model, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return loss_fn(model, batch)
+
+    return replay(model_factory, step_loss, run, sp_size, lr)
 
 
 class TokenData(Dataset):
@@ -350,22 +357,10 @@ def naive_reference_fn(model_factory: Callable, loss_fn: Callable, run: "Run", s
                 out[k] = t.contiguous()
             yield out
 
-    dp = run.world // sp_size
-    model = model_factory()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses, grads = [], []
-    for i in range(len(run.ranks[0]["batches"])):
-        step_losses = []
-        for g in range(dp):
-            parts = [loss_fn(model, c) for c in chunks(run.ranks[g * sp_size]["batches"][i])]
-            loss = torch.stack(parts).mean()
-            (loss / dp).backward()
-            step_losses.append(loss.item())
-        losses.append(step_losses)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    return losses, grads
+    def step_loss(model, batch):
+        return torch.stack([loss_fn(model, c) for c in chunks(batch)]).mean()
+
+    return replay(model_factory, step_loss, run, sp_size, lr)
 
 
 def check_against_references(run: "Run", sp_size: int, model_factory: Callable, loss_fn: Callable, tol: float = 1e-4):
