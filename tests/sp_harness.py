@@ -4,7 +4,6 @@ same batches on one device, eagerly, as the reference."""
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 from dataclasses import dataclass

@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from sp_harness import free_port
 
 from lightning_autosp.cli import main

@@ -1,11 +1,9 @@
 """AutoSPStrategy without running a job: validation, layout, SLURM, sampler, registry."""
 
 import pytest
-import torch
 from lightning import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
-import lightning_autosp
 from lightning_autosp import AutoSPStrategy, SequenceParallelSampler
 from lightning_autosp.layout import SPLayout, validate_layout
 

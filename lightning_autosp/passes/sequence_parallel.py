@@ -35,12 +35,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from lightning_autosp import ops
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.passes import runtime
 from lightning_autosp.passes.placement import (
     REPLICATE,
-    Replicate,
     Shard,
     SizeEmitter,
     is_polynomial_quotient,
@@ -525,10 +523,6 @@ class _Rewriter:
     def rule_getitem(self, node: fx.Node):
         x, idx = node.args
         sh = self.pl.get(x)
-        if isinstance(sh, tuple):  # element of a split / unbind
-            self.env[node] = self.copy(node)
-            self.pl[node] = sh[idx]
-            return True
         if not isinstance(sh, Shard):
             return None
         items = list(idx) if isinstance(idx, tuple) else [idx]
@@ -635,11 +629,10 @@ class _Rewriter:
         return self._tokenwise(node, forbidden=(-1,), out_dim=lambda d: d)
 
     def rule_matmul(self, node: fx.Node):
-        a, b = node.args[0], node.args[1]
-        if not (_is_tensor(self.val(b)) and self.val(b).dim() <= 2 and not self.seq_dims(b)) or node.kwargs:
+        w = node.args[1]  # x @ w with w a (replicated) [in, out] matrix: token-wise like linear
+        if node.kwargs or not (_is_tensor(self.val(w)) and self.val(w).dim() == 2 and not self.seq_dims(w)):
             return None
-        keep = self.val(b).dim() == 2
-        return self._tokenwise(node, forbidden=(-1,), out_dim=lambda d: d) if keep else None
+        return self._tokenwise(node, forbidden=(-1,), out_dim=lambda d: d)
 
     def rule_norm(self, node: fx.Node):
         if node.target is F.group_norm:
