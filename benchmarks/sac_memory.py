@@ -24,26 +24,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import _common  # noqa: F401  (puts the checkout on sys.path)
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _common import MiB, free_port, ratio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
-
-from lightning_autosp.compile import AutoSPBackend  # noqa: E402
-from lightning_autosp.memory import OP_KINDS, SavedTensor  # noqa: E402
-from lightning_autosp.models import Llama, LlamaConfig  # noqa: E402
-from lightning_autosp.passes.sac import SACConfig  # noqa: E402
-
-MiB = float(1 << 20)
+from lightning_autosp.compile import AutoSPBackend
+from lightning_autosp.memory import OP_KINDS, SavedTensor
+from lightning_autosp.models import Llama, LlamaConfig
+from lightning_autosp.passes.sac import SACConfig
 
 
 def parse_args() -> argparse.Namespace:
@@ -170,16 +166,6 @@ def run(rank: int, args: argparse.Namespace) -> dict:
         if rank == 0:
             print(f"S={S}: no_sac {per['no_sac']['step_s']:.2f}s, sac {per['sac']['step_s']:.2f}s", flush=True)
     return results
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ratio(a: float, b: float) -> str:
-    return "inf" if b == 0 and a > 0 else ("1.00x" if a == b == 0 else f"{a / b:.2f}x")
 
 
 def report(res: dict) -> str:

@@ -1,0 +1,120 @@
+"""Helpers shared by the benchmark scripts: process launch, memory probes, formatting.
+
+Benchmarks run from a source checkout (``python benchmarks/<script>.py``); importing this
+module puts the checkout on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import platform
+import re
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MiB = float(1 << 20)
+GiB = float(1 << 30)
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(worker: Callable[..., Any], nprocs: int, *args: Any) -> Any:
+    """Run ``worker(rank, nprocs, port, out_dir, *args)`` in ``nprocs`` forked processes and
+    return what rank 0 saved with ``torch.save(result, out_dir / "result.pt")``."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(worker, args=(nprocs, free_port(), d, *args), nprocs=nprocs, start_method="fork")
+        return torch.load(os.path.join(d, "result.pt"), weights_only=False)
+
+
+def init_worker(rank: int, world_size: int, port: int, threads: int) -> None:
+    """Per-process setup: threads, a gloo group, and glibc returning large frees to the OS
+    at once (so that resident memory follows live tensors and peaks are comparable)."""
+    torch.set_num_threads(threads)
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    except OSError:  # not glibc: peaks stay measurable, only noisier
+        pass
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def _status_kib(field: str) -> int:
+    m = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    return int(m.group(1)) if m else 0
+
+
+class PeakRSS:
+    """Peak resident memory of this process above its level at :meth:`start` (Linux).
+
+    ``start`` resets the kernel's high-water mark (``/proc/self/clear_refs``), so the
+    peak of one step is measured on its own, in bytes."""
+
+    def start(self) -> None:
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        self.base = _status_kib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def stop(self) -> int:
+        return max(0, _status_kib("VmHWM") - self.base) * 1024
+
+
+class SavedBytes:
+    """Bytes autograd keeps for backward during a forward (``saved_tensors_hooks``), each
+    storage once, leaving out ``exclude`` (parameters and inputs)."""
+
+    def __init__(self, exclude: list[torch.Tensor]) -> None:
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.kept: dict[int, int] = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.exclude:
+            self.kept[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @property
+    def total(self) -> int:
+        return sum(self.kept.values())
+
+
+def ratio(a: float, b: float) -> str:
+    return "inf" if b == 0 and a > 0 else ("1.00x" if a == b == 0 else f"{a / b:.2f}x")
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        model = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+        cpu = model.group(1) if model else cpu
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, Python {platform.python_version()}, "
+        f"torch {torch.__version__}"
+    )

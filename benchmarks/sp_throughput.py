@@ -1,0 +1,316 @@
+"""AutoSP against hand-written Ulysses and plain DDP, side by side in one run (CPU, gloo).
+
+For each process count (``--nprocs``, default 2 and 4) one group of forked processes builds
+every variant from the same initial weights and the same batches:
+
+``autosp_sac``        the unmodified Llama compiled by AutoSP (inductor) with SAC
+``autosp``            the same without SAC (PyTorch's min-cut partition)
+``ulysses_compiled``  hand-written Ulysses: the Llama changed by hand to call DeepSpeed's
+                      ``DistributedAttention`` (``benchmarks/ulysses_baseline.py``; without
+                      DeepSpeed, the same algorithm on torch's functional all-to-all), under
+                      a plain ``torch.compile`` (inductor)
+``ulysses_eager``     the same in eager mode, the way DeepSpeed-Ulysses runs
+``ddp_compiled``      no SP: every process trains on a whole sequence (its own sample),
+                      plain ``torch.compile``; the memory baseline
+
+One step is forward, backward, gradient all-reduce and an SGD update; every variant's step
+is timed ``--reps`` times, variants interleaved, the slower rank counts, the median is kept.
+Reported per variant: tokens/s (tokens of the whole group per step / step time), the bytes
+autograd keeps for backward per rank (``saved_tensors_hooks``), the peak resident memory a
+step adds per process (high-water mark, glibc set to return large frees at once), and the
+longest sequence whose step stays within ``--budget-mib`` per process, found by doubling
+from ``--search-start``. The gradients of the first step of every SP variant are compared
+with the eager hand-written baseline (they must agree).
+
+Example (the figures in BENCHMARKS.md)::
+
+    .venv/bin/python benchmarks/sp_throughput.py --out benchmarks/results/sp_throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import _common  # noqa: F401  (puts the checkout on sys.path)
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _common import MiB, PeakRSS, SavedBytes, init_worker, launch, machine, ratio
+from ulysses_baseline import default_impl, init_deepspeed, local_shard, ulysses_loss, ulyssesify
+
+from lightning_autosp.compile import AutoSPBackend
+from lightning_autosp.models import Llama, LlamaConfig
+from lightning_autosp.passes.sac import SACConfig
+
+VARIANTS = ("autosp_sac", "autosp", "ulysses_compiled", "ulysses_eager", "ddp_compiled")
+SP_VARIANTS = VARIANTS[:4]
+REFERENCE = "ulysses_eager"
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--seq-len", type=int, default=4096, help="sequence length of the timed steps")
+    p.add_argument("--reps", type=int, default=5, help="timed steps per variant (median)")
+    p.add_argument("--budget-mib", type=float, default=384.0, help="memory budget per process for the length search")
+    p.add_argument("--search-start", type=int, default=1024)
+    p.add_argument("--search-max", type=int, default=65536)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--n-kv-heads", type=int, default=4)
+    p.add_argument("--ffn-hidden", type=int, default=768)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    p.add_argument(
+        "--ulysses-impl", choices=["deepspeed", "funcol"], default=default_impl(),
+        help="hand-written baseline: DeepSpeed's DistributedAttention (default when installed) or our own",
+    )
+    p.add_argument("--out", type=str, default=None, help="write the results as JSON here")
+    p.add_argument("--plot", type=str, default=None, help="peak memory against sequence length (PNG)")
+    args = p.parse_args(argv)
+    for n in args.nprocs:
+        for S in (args.seq_len, args.search_start):
+            if S % n:
+                p.error(f"--seq-len/--search-start {S} must be divisible by every --nprocs value ({n})")
+        if args.n_kv_heads % n or args.n_heads % n:
+            p.error(f"--n-heads and --n-kv-heads must be divisible by every --nprocs value ({n})")
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
+    return args
+
+
+class Variant:
+    """One way of training the model: its own copy of the weights, optimizer and step."""
+
+    def __init__(self, name: str, cfg: LlamaConfig, rank: int, world: int, impl: str) -> None:
+        self.name, self.rank, self.world = name, rank, world
+        torch.manual_seed(0)
+        self.model = Llama(cfg)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        self.sp = name in SP_VARIANTS
+        group = dist.group.WORLD
+
+        def full_loss(ids, labels, model=self.model):
+            logits = model(ids)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+
+        self.fn: Callable
+        if name.startswith("autosp"):
+            sac = SACConfig() if name == "autosp_sac" else None
+            backend = AutoSPBackend(sp_size=world, sp_rank=rank, group_name=group.group_name, backend="inductor", sac=sac)
+            self.fn = torch.compile(full_loss, backend=backend)
+        elif name.startswith("ulysses"):
+            ulyssesify(self.model, group, impl)
+            self.fn = ulysses_loss if name == "ulysses_eager" else torch.compile(ulysses_loss)
+        else:
+            self.fn = torch.compile(full_loss)
+
+    def inputs(self, S: int, seed: int) -> tuple:
+        """SP variants share one sample (sample 0); plain DDP gives each rank its own."""
+        g = torch.Generator().manual_seed(seed * 1000 + (0 if self.sp else self.rank))
+        ids = torch.randint(0, self.model.config.vocab_size, (1, S), generator=g)
+        labels = torch.randint(0, self.model.config.vocab_size, (1, S), generator=g)
+        if self.name.startswith("ulysses"):
+            ids, labels, pos = local_shard(ids, labels, self.rank, self.world)
+            args: tuple = (self.model, ids, labels, pos, self.world)
+            tensors = (ids, labels, pos)
+        else:
+            args = tensors = (ids, labels)
+        if self.name != "ulysses_eager":
+            for t in tensors:
+                torch._dynamo.mark_dynamic(t, 1)  # one graph for every length
+        return args
+
+    def step(self, args: tuple, saved: Optional[SavedBytes] = None) -> float:
+        self.model.zero_grad(set_to_none=True)
+        if saved is None:
+            loss = self.fn(*args)
+        else:
+            with saved.hooks():
+                loss = self.fn(*args)
+        loss.backward()
+        grads = [p.grad for p in self.model.parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)  # hand-written Ulysses: the sum over the SP group is the gradient
+        if not self.name.startswith("ulysses"):
+            flat /= self.world  # AutoSP and DDP: the mean over ranks (AutoSP's per-rank grads carry the SP factor)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        self.opt.step()
+        return float(loss)
+
+    def tokens_per_step(self, S: int) -> int:
+        return S if self.sp else S * self.world
+
+
+def max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namespace) -> None:
+    init_worker(rank, world, port, args.threads)
+    try:
+        result = run(rank, world, args)
+        if rank == 0:
+            torch.save(result, os.path.join(out_dir, "result.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(rank: int, world: int, args: argparse.Namespace) -> dict:
+    cfg = LlamaConfig(
+        vocab_size=args.vocab_size, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads, ffn_hidden=args.ffn_hidden, max_seq_len=args.search_max,
+    )
+    say = print if rank == 0 else (lambda *a, **k: None)
+    impl = args.ulysses_impl
+    version = init_deepspeed() if impl == "deepspeed" and any(n.startswith("ulysses") for n in args.variants) else None
+    variants = {name: Variant(name, cfg, rank, world, impl) for name in args.variants}
+    res: dict = {name: {"times": []} for name in variants}
+    ulysses = f"DeepSpeed {version} DistributedAttention" if version else "own functional all-to-all (DeepSpeed not used)"
+    S = args.seq_len
+
+    # first step: compile, and the gradients every SP variant must agree on
+    grads = {}
+    for name, v in variants.items():
+        t = time.perf_counter()
+        v.step(v.inputs(S, 0))
+        res[name]["first_step_s"] = max_over_ranks(time.perf_counter() - t)
+        grads[name] = torch.cat([p.grad.reshape(-1) for p in v.model.parameters()])
+        say(f"[{world} procs] {name}: first step (compile) {res[name]['first_step_s']:.1f}s", flush=True)
+    if REFERENCE in grads:
+        ref = grads[REFERENCE]
+        for name in variants:
+            if variants[name].sp:
+                res[name]["grad_rel_diff"] = max_over_ranks(float((grads[name] - ref).norm() / ref.norm()))
+
+    # timed steps, variants interleaved
+    for rep in range(args.reps):
+        for name, v in variants.items():
+            batch = v.inputs(S, 1 + rep)
+            dist.barrier()
+            t = time.perf_counter()
+            v.step(batch)
+            res[name]["times"].append(max_over_ranks(time.perf_counter() - t))
+    for name, v in variants.items():
+        r = res[name]
+        r["step_s"] = statistics.median(r["times"])
+        r["tokens_per_s"] = v.tokens_per_step(S) / r["step_s"]
+
+    # memory at the timed length: what autograd keeps, and the peak a step adds
+    probe = PeakRSS()
+    for name, v in variants.items():
+        batch = v.inputs(S, 100)
+        saved = SavedBytes([*v.model.parameters(), *v.model.buffers(), *(t for t in batch if isinstance(t, torch.Tensor))])
+        v.step(batch, saved)
+        res[name]["saved_bytes"] = max_over_ranks(saved.total)
+        probe.start()
+        v.step(v.inputs(S, 101))
+        res[name]["peak_bytes"] = max_over_ranks(probe.stop())
+
+    # the longest sequence within the budget, by doubling
+    budget = args.budget_mib * MiB
+    for name, v in variants.items():
+        peaks, longest, L = {}, 0, args.search_start
+        while L <= args.search_max:
+            batch = v.inputs(L, 200)
+            probe.start()
+            v.step(batch)
+            peaks[L] = max_over_ranks(probe.stop())
+            say(f"[{world} procs] {name}: S={L} peak {peaks[L] / MiB:.0f} MiB", flush=True)
+            if peaks[L] > budget:
+                break
+            longest, L = L, 2 * L
+        res[name].update(search_peaks=peaks, longest=longest, capped=longest == args.search_max)
+    return {"ulysses": ulysses, "variants": res}
+
+
+def markdown(results: dict) -> str:
+    args = results["args"]
+    lines = [
+        f"Llama dim={args['dim']} layers={args['n_layers']} heads={args['n_heads']} kv_heads={args['n_kv_heads']} "
+        f"ffn={args['ffn_hidden']} vocab={args['vocab_size']}, batch 1, fp32, {args['threads']} thread per process, "
+        f"gloo; timed at S={args['seq_len']}, median of {args['reps']} steps; budget {args['budget_mib']:.0f} MiB "
+        f"per process for the longest-sequence search (doubling from {args['search_start']}).",
+        "",
+    ]
+    for n, run_ in results["runs"].items():
+        res = run_["variants"]
+        ref_c, ref_e = res.get("ulysses_compiled"), res.get("ulysses_eager")
+        lines += [
+            f"**{n} processes** (SP variants: sp={n}; `ddp_compiled`: {n} data-parallel ranks, one whole sequence each; "
+            f"hand-written Ulysses: {run_['ulysses']})",
+            "",
+            "| variant | step s | tokens/s | vs hand-written compiled | vs hand-written eager | saved for backward MiB/rank "
+            "| step peak MiB/process | longest S within budget | grad rel. diff vs hand-written |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, r in res.items():
+            longest = f"{'>= ' if r['capped'] else ''}{r['longest'] or '< ' + str(args['search_start'])}"
+            diff = f"{r['grad_rel_diff']:.1e}" if "grad_rel_diff" in r else "-"
+            lines.append(
+                f"| {name} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | "
+                f"{ratio(r['tokens_per_s'], ref_c['tokens_per_s']) if ref_c else '-'} | "
+                f"{ratio(r['tokens_per_s'], ref_e['tokens_per_s']) if ref_e else '-'} | {r['saved_bytes'] / MiB:.1f} | "
+                f"{r['peak_bytes'] / MiB:.1f} | {longest} | {diff} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
+    for ax, (n, run_) in zip(axes[0], runs.items()):
+        for name, r in run_["variants"].items():
+            xs = sorted(int(k) for k in r["search_peaks"])
+            ax.plot(xs, [r["search_peaks"][k] / MiB for k in xs], marker="o", label=name)
+        ax.axhline(results["args"]["budget_mib"], color="gray", linestyle="--", label="budget")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("step peak MiB per process")
+        ax.set_title(f"{n} processes (CPU, gloo)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args = parse_args(argv)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    t = time.perf_counter()
+    runs = {}
+    for n in args.nprocs:
+        runs[n] = launch(worker, n, args)
+    results = {"args": vars(args), "machine": machine(), "runs": runs, "wall_s": time.perf_counter() - t}
+    print(markdown(results))
+    print(f"wall time {results['wall_s']:.0f}s")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    if args.plot:
+        plot(results, args.plot)
+    return results
+
+
+if __name__ == "__main__":
+    main()
