@@ -1,0 +1,306 @@
+"""Per-rank training memory of a Llama at any sequence length, from traced graphs.
+
+The model is traced, never run: it is built with uninitialised weights, one training step is
+captured by Dynamo with the sequence length marked dynamic, rewritten (or not) by the AutoSP
+pass for rank 0 of an SP group, and partitioned by AOT autograd into a forward and a backward
+graph. Compilation is stopped before anything executes, and no process group is needed (the
+collectives only have to be traced, which their fake kernels do). Sizes in the graphs are
+expressions of the sequence length, so one trace answers every length.
+
+From the two graphs:
+
+* **saved**: the bytes the forward keeps for backward (each allocation once, views resolved);
+* **peak**: a liveness walk over the forward and then the backward graph. Each op allocates
+  its outputs (views allocate nothing and keep their base alive); an allocation is freed after
+  its last use; what the forward saves stays live into the backward and is freed after its
+  last use there; parameter gradients are not counted here (they belong to the static part).
+  The walk is over the unfused AOT graphs, so it over-counts the transients a fusing compiler
+  (inductor) never materialises: an upper bound for a compiled run.
+
+Layers are identical, so a model of ``n`` layers is traced with 1 and 2 layers and every
+quantity extrapolated linearly (``q(n) = q(1) + (n - 1) * (q(2) - q(1))``);
+``check_extrapolation`` compares that with a 3-layer trace.
+
+Variants (``VARIANTS``):
+
+``no_sp_eager``     no SP, what eager autograd saves (AOT's default partition: saves every
+                    intermediate eager autograd keeps)
+``no_sp``           no SP, compiled (PyTorch's min-cut partition)
+``no_sp_ac``        no SP, compiled, every transformer block under
+                    ``torch.utils.checkpoint`` (full activation checkpointing: the usual
+                    way to train long sequences without SP, recomputing attention too)
+``ulysses_eager``   Ulysses SP, saving what eager autograd saves: the memory of hand-written
+                    Ulysses run in eager mode (same all-to-alls, same shapes)
+``sp``              AutoSP without SAC (min-cut partition)
+``sp_sac``          AutoSP with sequence-aware activation checkpointing
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+import _common  # noqa: F401  (puts the checkout on sys.path)
+import sympy
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._functorch.partitioners import default_partition
+from torch.utils._pytree import tree_leaves
+
+from lightning_autosp.memory import _is_alias
+from lightning_autosp.models import Llama, LlamaConfig
+from lightning_autosp.passes import sequence_parallel_pass
+from lightning_autosp.passes.sac import SACConfig, SACPartitioner
+
+__all__ = ["PRESETS", "VARIANTS", "Trace", "trace", "LayerModel", "layer_model", "param_counts"]
+
+#: Published shapes (Hugging Face ``config.json``). Llama-3.2-1B ties its input embedding and
+#: output head; the bundled model has an untied head, which only adds one vocab x dim matrix
+#: of *parameters* (counted once below when ``tied``), never activations.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(
+        config=dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192, rope_theta=5e5),
+        tied=True,
+    ),
+    "llama-3.1-8b": dict(
+        config=dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, rope_theta=5e5),
+        tied=False,
+    ),
+}
+
+VARIANTS = ("no_sp_eager", "no_sp", "no_sp_ac", "ulysses_eager", "sp", "sp_sac")
+
+
+class _Checkpointed(torch.nn.Module):
+    """A transformer block under non-reentrant activation checkpointing."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
+
+
+class _KeepGraphs(SACPartitioner):
+    """The AutoSP partition function, also keeping the forward and backward graphs;
+    ``eager_saving`` swaps the min-cut partition for AOT's default one."""
+
+    def __init__(self, config: Optional[SACConfig], eager_saving: bool) -> None:
+        super().__init__(config)
+        self.eager_saving = eager_saving
+        self.graphs: list[tuple[fx.GraphModule, fx.GraphModule, int]] = []
+
+    def _partition(self, gm, joint_inputs, budget, kwargs):  # type: ignore[override]
+        if self.eager_saving:
+            return default_partition(gm, joint_inputs, **kwargs)
+        return super()._partition(gm, joint_inputs, budget, kwargs)
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        fw, bw = super().__call__(gm, joint_inputs, **kwargs)
+        self.graphs.append((fw, bw, kwargs["num_fwd_outputs"]))
+        return fw, bw
+
+
+class _Traced(Exception):
+    """Raised by the tracing backend once the graphs exist, so that nothing runs."""
+
+
+@dataclass
+class Trace:
+    """The forward and backward graphs of one training step."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    num_fwd_outputs: int
+    _sizes: dict = field(default_factory=dict, repr=False)
+
+    def nbytes(self, expr: sympy.Expr, S: int) -> int:
+        if expr.is_Integer:
+            return int(expr)
+        key = (expr, S)
+        if key not in self._sizes:
+            # the only dynamic sizes are the sequence lengths of ids and labels (equal)
+            self._sizes[key] = int(expr.xreplace({s: sympy.Integer(S) for s in expr.free_symbols}))
+        return self._sizes[key]
+
+    def memory(self, S: int) -> dict[str, int]:
+        """``saved``, ``fw_peak`` and ``bw_peak`` activation bytes of rank 0 at length ``S``."""
+        fw = _walk(self.fw, S, self, saved_from=None, num_fwd_outputs=self.num_fwd_outputs)
+        bw = _walk(self.bw, S, self, saved_from=fw)
+        return {"saved": fw.saved, "fw_peak": fw.peak, "bw_peak": bw.peak, "peak": max(fw.peak, bw.peak)}
+
+
+def _tensor_bytes(val: Any) -> Optional[sympy.Expr]:
+    if not isinstance(val, torch.Tensor):
+        return None
+    n = val.numel()
+    n = sympy.sympify(n.node.expr) if isinstance(n, torch.SymInt) else sympy.Integer(int(n))
+    return sympy.expand(n * val.element_size())
+
+
+@dataclass
+class _Walk:
+    peak: int
+    saved: int
+    #: forward output name -> the allocation it refers to (None: a parameter or an input)
+    outputs: dict[str, Any]
+    size: dict[Any, int]
+
+
+def _walk(gm: fx.GraphModule, S: int, tr: Trace, saved_from: Optional[_Walk], num_fwd_outputs: int = 0) -> _Walk:
+    """Liveness walk over one graph. For the backward graph (``saved_from`` = the forward's
+    walk) the placeholders that the forward saved refer to the forward's allocations."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    storage: dict[fx.Node, Any] = {}  # node -> the allocation it refers to
+    size: dict[Any, int] = {}
+    born: dict[Any, int] = {}
+    for n in nodes:
+        if n.op == "placeholder":
+            if saved_from is None:
+                continue  # forward inputs: parameters and the batch, not activations
+            if n.name in saved_from.outputs:  # saved by the forward
+                key = saved_from.outputs[n.name]
+                if key is not None:
+                    storage[n], size[key], born[key] = key, saved_from.size[key], -1
+                continue
+            b = _tensor_bytes(n.meta.get("val"))  # the loss gradient
+            if b is not None:
+                storage[n], size[n], born[n] = n, tr.nbytes(b, S), -1
+        elif n.op != "call_function":
+            continue
+        elif _is_alias(n.target) and n.args and isinstance(n.args[0], fx.Node):
+            storage[n] = storage.get(n.args[0])
+        elif n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            b = _tensor_bytes(n.meta.get("val"))
+            if b is not None:
+                key = (n.args[0], n.args[1])
+                storage[n], size[key], born[key] = key, tr.nbytes(b, S), index[n.args[0]]
+        else:
+            b = _tensor_bytes(n.meta.get("val"))
+            if b is not None:
+                storage[n], size[n], born[n] = n, tr.nbytes(b, S), index[n]
+    out_node = nodes[-1]
+    outs = [o for o in tree_leaves(out_node.args[0]) if isinstance(o, fx.Node)]
+    last: dict[Any, int] = dict(born)
+    for n in nodes[:-1]:
+        for a in n.all_input_nodes:
+            k = storage.get(a)
+            if k is not None:
+                last[k] = max(last[k], index[n])
+    if saved_from is None:  # forward: the loss and the saved tensors outlive the graph
+        for o in outs:
+            if storage.get(o) is not None:
+                last[storage[o]] = len(nodes)
+        kept = {storage[o] for o in outs[num_fwd_outputs:] if storage.get(o) is not None}
+        saved = sum(size[k] for k in kept)
+    else:  # backward: parameter gradients belong to the static memory
+        for o in outs:
+            if storage.get(o) is not None and born.get(storage[o], -1) >= 0:
+                size[storage[o]] = 0
+        saved = 0
+    births: dict[int, list] = {}
+    deaths: dict[int, list] = {}
+    for k in size:
+        births.setdefault(born[k], []).append(k)
+        deaths.setdefault(last[k], []).append(k)
+    live = peak = sum(size[k] for k in births.get(-1, ()))
+    for i in range(len(nodes)):
+        live += sum(size[k] for k in births.get(i, ()))
+        peak = max(peak, live)
+        live -= sum(size[k] for k in deaths.get(i, ()))
+    return _Walk(peak=peak, saved=saved, outputs={o.name: storage.get(o) for o in outs}, size=size)
+
+
+def _backend(variant: str, sp_size: int, out: list) -> Callable:
+    sac = SACConfig() if variant == "sp_sac" else None
+    keeper = _KeepGraphs(sac, eager_saving=variant.endswith("_eager"))
+
+    def backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        if variant.startswith(("sp", "ulysses")):
+            gm = sequence_parallel_pass(gm, example_inputs, sp_size=sp_size, sp_rank=0, group_name="traced", seq_dim=1)
+        aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=keeper)(gm, example_inputs)
+        out.extend(keeper.graphs)
+        raise _Traced
+
+    return backend
+
+
+def trace(cfg: LlamaConfig, variant: str, sp_size: int = 8, dtype: torch.dtype = torch.bfloat16, S: int = 8192) -> Trace:
+    """Trace one training step (forward + token-mean cross-entropy) of ``Llama(cfg)``.
+
+    The weights are real CPU tensors left uninitialised (``to_empty``), so that the CPU
+    attention kernel (which, like flash attention, keeps only the output and the log-sum-exp)
+    is the one traced; they are never read. ``S`` only seeds the trace: the length is dynamic.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model = model.to_empty(device="cpu").to(dtype)
+    model.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    if variant == "no_sp_ac":
+        model.layers = torch.nn.ModuleList(_Checkpointed(b) for b in model.layers)
+
+    def step(ids, labels):
+        logits = model(ids)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+
+    ids = torch.zeros(1, S, dtype=torch.long)
+    labels = torch.zeros(1, S, dtype=torch.long)
+    torch._dynamo.mark_dynamic(ids, 1)
+    torch._dynamo.mark_dynamic(labels, 1)
+    graphs: list = []
+    torch._dynamo.reset()
+    try:
+        torch.compile(step, backend=_backend(variant, sp_size, graphs), fullgraph=True)(ids, labels)
+    except Exception as e:  # Dynamo wraps the backend's exception
+        if not graphs or not _caused_by(e, _Traced):
+            raise
+    fw, bw, n_out = graphs[-1]
+    return Trace(fw=fw, bw=bw, num_fwd_outputs=n_out)
+
+
+def _caused_by(e: BaseException, cls: type) -> bool:
+    while e is not None:
+        if isinstance(e, cls):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@dataclass
+class LayerModel:
+    """Activation memory of an ``n``-layer model from 1- and 2-layer traces."""
+
+    one: Trace
+    two: Trace
+    n_layers: int
+
+    def memory(self, S: int, n_layers: Optional[int] = None) -> dict[str, int]:
+        n = self.n_layers if n_layers is None else n_layers
+        a, b = self.one.memory(S), self.two.memory(S)
+        return {k: a[k] + (n - 1) * (b[k] - a[k]) for k in a}
+
+
+def layer_model(cfg: LlamaConfig, variant: str, sp_size: int = 8, dtype: torch.dtype = torch.bfloat16) -> LayerModel:
+    return LayerModel(
+        one=trace(replace(cfg, n_layers=1), variant, sp_size, dtype),
+        two=trace(replace(cfg, n_layers=2), variant, sp_size, dtype),
+        n_layers=cfg.n_layers,
+    )
+
+
+def param_counts(cfg: LlamaConfig, tied: bool) -> dict[str, int]:
+    """``total``, ``layer`` (one transformer block) and ``embedding`` parameter counts."""
+    with torch.device("meta"):
+        one = Llama(replace(cfg, n_layers=1))
+    layer = sum(p.numel() for p in one.layers[0].parameters())
+    embedding = cfg.vocab_size * cfg.dim
+    total = sum(p.numel() for p in one.parameters()) + (cfg.n_layers - 1) * layer - (embedding if tied else 0)
+    return {"total": total, "layer": layer, "embedding": embedding}
