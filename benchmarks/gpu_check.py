@@ -1,0 +1,256 @@
+"""One-GPU check of the trainability model: real allocator peaks against its predictions.
+
+On one device, each variant of ``benchmarks/memory_model.py`` trains a Llama with real shapes
+(default: Llama-3.2-1B with 4 layers, bf16) and the script measures, per sequence length:
+
+* the bytes autograd keeps for backward (``saved_tensors_hooks``) and the activation peak of
+  a step (``torch.cuda.max_memory_allocated`` above the level before it; gradients already
+  allocated), next to what the model predicts from the traced graphs;
+* step time and tokens/s of the device's share of the work;
+* the longest sequence within ``--budget-gib`` of activation memory, by doubling, measured
+  and predicted.
+
+The SP variants run **rank 0 of an ``--sp-size`` group alone**, on torch's ``fake`` process
+group: collectives return at once without moving data, so the memory and the compute of one
+rank are real and the numbers it computes are not (nothing here checks numerics; the test
+suite does that on CPU). ``no_sp`` trains the whole sequence on the device.
+
+Without CUDA it prints one line and exits 0. ``--device cpu --tiny`` runs the same code on a
+small model (resident-memory peaks instead of allocator peaks), to check the script itself.
+
+Example (well under 10 minutes on one H100/H200)::
+
+    python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Optional
+
+import _common  # noqa: F401  (puts the checkout on sys.path)
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _common import GiB, MiB, PeakRSS, SavedBytes, machine
+
+VARIANTS = ("no_sp", "sp", "sp_sac")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    import memory_model as mm
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--preset", choices=list(mm.PRESETS), default="llama-3.2-1b")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks (the preset's shapes, fewer blocks)")
+    p.add_argument("--tiny", action="store_true", help="a small model (a dry run of this script, e.g. on CPU)")
+    p.add_argument("--sp-size", type=int, default=8)
+    p.add_argument("--backend", choices=["inductor", "aot_eager"], default="inductor")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--reps", type=int, default=3, help="timed steps per length (>= 1)")
+    p.add_argument("--budget-gib", type=float, default=32.0, help="activation memory budget for the length search")
+    p.add_argument("--search-max", type=int, default=1 << 20)
+    p.add_argument("--max-minutes", type=float, default=9.0, help="stop searching once this much time has passed")
+    p.add_argument("--out", type=str, default=None)
+    args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
+    for S in args.seq_lens:
+        if S % args.sp_size:
+            p.error(f"--seq-lens: {S} is not divisible by --sp-size {args.sp_size}")
+    return args
+
+
+class Device:
+    """Allocator (CUDA) or resident-memory (CPU) peaks of one step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.rss = PeakRSS()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self.sync()
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.rss.start()
+
+    def stop(self) -> int:
+        self.sync()
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        return self.rss.stop()
+
+
+def build(variant: str, cfg, args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Callable]:
+    from lightning_autosp.compile import AutoSPBackend
+    from lightning_autosp.models import Llama
+    from lightning_autosp.passes.sac import SACConfig
+
+    torch.manual_seed(0)
+    model = Llama(cfg).to(device=device, dtype=torch.bfloat16)
+
+    def step(ids, labels):
+        logits = model(ids)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+
+    if variant == "no_sp":
+        return model, torch.compile(step, backend=args.backend)
+    sac = SACConfig() if variant == "sp_sac" else None
+    backend = AutoSPBackend(
+        sp_size=args.sp_size, sp_rank=0, group_name=dist.group.WORLD.group_name, backend=args.backend, sac=sac
+    )
+    return model, torch.compile(step, backend=backend)
+
+
+def measure(model, fn, dev: Device, S: int, reps: int, full: bool = True) -> dict:
+    """Saved bytes, activation peak and step time at length ``S`` (after a warm-up step);
+    ``full=False``: the peak of one step only."""
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, S), device=dev.device)
+    labels = torch.randint(0, vocab, (1, S), device=dev.device)
+    torch._dynamo.mark_dynamic(ids, 1)
+    torch._dynamo.mark_dynamic(labels, 1)
+
+    def step(saved: Optional[SavedBytes] = None) -> None:
+        model.zero_grad(set_to_none=False)  # gradients stay allocated: not part of the peak
+        if saved is None:
+            loss = fn(ids, labels)
+        else:
+            with saved.hooks():
+                loss = fn(ids, labels)
+        loss.backward()
+
+    if full:
+        step()  # warm-up (and compile on the first length); allocates the gradients
+    dev.start()
+    step()
+    peak = dev.stop()
+    if not full:
+        return {"peak": peak}
+    saved = SavedBytes([*model.parameters(), *model.buffers(), ids, labels])
+    step(saved)
+    times = []
+    for _ in range(reps):
+        dev.sync()
+        t = time.perf_counter()
+        step()
+        dev.sync()
+        times.append(time.perf_counter() - t)
+    return {"saved": saved.total, "peak": peak, "step_s": statistics.median(times)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    import memory_model as mm
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_autosp.models import LlamaConfig
+
+    device = torch.device(args.device)
+    preset = mm.PRESETS[args.preset]["config"]
+    cfg = LlamaConfig(**preset, max_seq_len=args.search_max)
+    cfg = replace(cfg, n_layers=args.layers)
+    if args.tiny:
+        cfg = replace(cfg, vocab_size=512, dim=256, n_heads=8, n_kv_heads=8, ffn_hidden=512, n_layers=2)
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.sp_size)
+    dev = Device(device)
+    t0 = time.perf_counter()
+    budget = args.budget_gib * GiB
+    res: dict = {"args": vars(args), "machine": machine(), "device": _device_name(device), "config": cfg.__dict__, "variants": {}}
+    for variant in args.variants:
+        model_mem = mm.layer_model(cfg, variant, args.sp_size)
+        model, fn = build(variant, cfg, args, device)
+        rows = {}
+        for S in args.seq_lens:
+            r = measure(model, fn, dev, S, args.reps)
+            r["predicted"] = model_mem.memory(S)
+            r["tokens_per_s"] = (S if variant == "no_sp" else S // args.sp_size) / r["step_s"]
+            rows[S] = r
+            print(
+                f"{variant} S={S}: saved {r['saved'] / MiB:.0f} MiB (predicted {r['predicted']['saved'] / MiB:.0f}), "
+                f"peak {r['peak'] / MiB:.0f} MiB (predicted {r['predicted']['peak'] / MiB:.0f}), {r['step_s']:.3f}s",
+                flush=True,
+            )
+        longest, S, oom = 0, min(args.seq_lens), None
+        while S <= args.search_max and time.perf_counter() - t0 < 60 * args.max_minutes:
+            try:
+                peak = measure(model, fn, dev, S, reps=0, full=False)["peak"]
+            except torch.OutOfMemoryError:
+                oom = S
+                break
+            if peak > budget:
+                break
+            longest, S = S, 2 * S
+        predicted = max((S for S in (min(args.seq_lens) << k for k in range(24)) if S <= args.search_max
+                         and model_mem.memory(S)["peak"] <= budget), default=0)
+        res["variants"][variant] = {"lengths": rows, "longest": longest, "longest_predicted": predicted, "oom_at": oom}
+        del model, fn
+        torch._dynamo.reset()
+        if dev.cuda:
+            torch.cuda.empty_cache()
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def markdown(res: dict) -> str:
+    a, c = res["args"], res["config"]
+    lines = [
+        f"{res['device']}; Llama dim={c['dim']} layers={c['n_layers']} heads={c['n_heads']} kv_heads={c['n_kv_heads']} "
+        f"ffn={c['ffn_hidden']} vocab={c['vocab_size']}, bf16, {a['backend']}; SP variants run rank 0 of sp={a['sp_size']} "
+        f"alone (fake process group). Peaks: {'allocator' if res['device'] != 'CPU' else 'resident memory'}, above the "
+        "level before the step (weights and gradients excluded).",
+        "",
+        "| variant | S | saved MiB (predicted) | measured / predicted | activation peak MiB (predicted) | measured / "
+        "predicted | step s | tokens/s on this device |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for v, r in res["variants"].items():
+        for S, x in r["lengths"].items():
+            p = x["predicted"]
+            lines.append(
+                f"| {v} | {S} | {x['saved'] / MiB:.0f} ({p['saved'] / MiB:.0f}) | {x['saved'] / p['saved']:.2f} | "
+                f"{x['peak'] / MiB:.0f} ({p['peak'] / MiB:.0f}) | {x['peak'] / p['peak']:.2f} | {x['step_s']:.3f} | "
+                f"{x['tokens_per_s']:.0f} |"
+            )
+    lines += ["", f"| variant | longest S within {a['budget_gib']:g} GiB of activations, measured | predicted |", "|---|---|---|"]
+    for v, r in res["variants"].items():
+        note = f" (out of memory at {r['oom_at']})" if r["oom_at"] else ""
+        lines.append(f"| {v} | {r['longest']}{note} | {r['longest_predicted']} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> Optional[dict]:
+    args = parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_check: skipped, no CUDA device (use --device cpu --tiny for a dry run of the script)")
+        return None
+    res = run(args)
+    print(markdown(res))
+    print(f"wall time {res['wall_s']:.0f}s")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+    return res
+
+
+if __name__ == "__main__":
+    main()
