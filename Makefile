@@ -1,12 +1,13 @@
 # Two entry points, each working on a fresh machine (they create .venv on first use):
 #   make demo   - the main job: long-context KV recall, 2 CPU processes, sequence parallel (sp=2)
 #   make test   - the test suite
+#   make benchmarks - every benchmark, then BENCHMARKS.md (about an hour on 2 cores)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch 2.13 CPU build; on a GPU machine install your CUDA build of torch first and set TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test install
+.PHONY: demo test install benchmarks
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -20,3 +21,7 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider
+
+benchmarks: install
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --disable-pip-version-check -e ".[bench]"
+	$(PY) benchmarks/report.py

@@ -63,7 +63,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--search-start", type=int, default=1024)
     p.add_argument("--search-max", type=int, default=65536)
     p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--n-heads", type=int, default=8)
     p.add_argument("--n-kv-heads", type=int, default=4)
     p.add_argument("--ffn-hidden", type=int, default=768)
@@ -147,7 +147,7 @@ class Variant:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
         self.opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     def tokens_per_step(self, S: int) -> int:
         return S if self.sp else S * self.world
@@ -216,8 +216,10 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         saved = SavedBytes([*v.model.parameters(), *v.model.buffers(), *(t for t in batch if isinstance(t, torch.Tensor))])
         v.step(batch, saved)
         res[name]["saved_bytes"] = max_over_ranks(saved.total)
+        batch = v.inputs(S, 101)
+        v.model.zero_grad(set_to_none=True)  # freed before the probe starts: the step allocates them anew
         probe.start()
-        v.step(v.inputs(S, 101))
+        v.step(batch)
         res[name]["peak_bytes"] = max_over_ranks(probe.stop())
 
     # the longest sequence within the budget, by doubling
@@ -226,6 +228,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         peaks, longest, L = {}, 0, args.search_start
         while L <= args.search_max:
             batch = v.inputs(L, 200)
+            v.model.zero_grad(set_to_none=True)
             probe.start()
             v.step(batch)
             peaks[L] = max_over_ranks(probe.stop())
@@ -235,6 +238,27 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             longest, L = L, 2 * L
         res[name].update(search_peaks=peaks, longest=longest, capped=longest == args.search_max)
     return {"ulysses": ulysses, "variants": res}
+
+
+#: the memory-model variant (``benchmarks/memory_model.py``) that predicts each measured one
+MODEL_OF = {"autosp_sac": "sp_sac", "autosp": "sp", "ulysses_eager": "ulysses_eager", "ddp_compiled": "no_sp"}
+
+
+def add_predictions(results: dict) -> None:
+    """The memory model's saved bytes per rank for each variant and process count, traced
+    for this run's model and timed length (fp32): the measured column checks the model."""
+    import memory_model as mm
+
+    a = results["args"]
+    cfg = LlamaConfig(
+        vocab_size=a["vocab_size"], dim=a["dim"], n_layers=a["n_layers"], n_heads=a["n_heads"],
+        n_kv_heads=a["n_kv_heads"], ffn_hidden=a["ffn_hidden"], max_seq_len=a["search_max"],
+    )
+    S = a["seq_len"]
+    for n, run_ in results["runs"].items():
+        for name, r in run_["variants"].items():
+            if name in MODEL_OF:
+                r["predicted_saved_bytes"] = mm.trace(cfg, MODEL_OF[name], int(n), torch.float32, S).memory(S)["saved"]
 
 
 def markdown(results: dict) -> str:
@@ -254,16 +278,17 @@ def markdown(results: dict) -> str:
             f"hand-written Ulysses: {run_['ulysses']})",
             "",
             "| variant | step s | tokens/s | vs hand-written compiled | vs hand-written eager | saved for backward MiB/rank "
-            "| step peak MiB/process | longest S within budget | grad rel. diff vs hand-written |",
+            "(memory model) | step peak MiB/process | longest S within budget | grad rel. diff vs hand-written |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in res.items():
             longest = f"{'>= ' if r['capped'] else ''}{r['longest'] or '< ' + str(args['search_start'])}"
             diff = f"{r['grad_rel_diff']:.1e}" if "grad_rel_diff" in r else "-"
+            pred = f" ({r['predicted_saved_bytes'] / MiB:.1f})" if "predicted_saved_bytes" in r else ""
             lines.append(
                 f"| {name} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | "
                 f"{ratio(r['tokens_per_s'], ref_c['tokens_per_s']) if ref_c else '-'} | "
-                f"{ratio(r['tokens_per_s'], ref_e['tokens_per_s']) if ref_e else '-'} | {r['saved_bytes'] / MiB:.1f} | "
+                f"{ratio(r['tokens_per_s'], ref_e['tokens_per_s']) if ref_e else '-'} | {r['saved_bytes'] / MiB:.1f}{pred} | "
                 f"{r['peak_bytes'] / MiB:.1f} | {longest} | {diff} |"
             )
         lines.append("")
@@ -302,6 +327,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     for n in args.nprocs:
         runs[n] = launch(worker, n, args)
     results = {"args": vars(args), "machine": machine(), "runs": runs, "wall_s": time.perf_counter() - t}
+    add_predictions(results)
     print(markdown(results))
     print(f"wall time {results['wall_s']:.0f}s")
     if args.out:
