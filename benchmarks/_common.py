@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import os
 import platform
 import re
@@ -15,7 +16,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -118,3 +119,33 @@ def machine() -> str:
         f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, Python {platform.python_version()}, "
         f"torch {torch.__version__}"
     )
+
+
+def plot_panels(panels: dict[str, dict[str, tuple[list, list]]], path: str, ylabel: str, hline: tuple[float, str]) -> None:
+    """One log-log panel per entry of ``panels`` (title -> label -> (xs, ys)), a dashed
+    horizontal line at ``hline = (y, label)``, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
+    for ax, (title, curves) in zip(axes[0], panels.items()):
+        for label, (xs, ys) in curves.items():
+            ax.plot(xs, ys, marker="o", label=label)
+        ax.axhline(hline[0], color="gray", linestyle="--", label=hline[1])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_json(results: dict, path: Optional[str]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(results, indent=1, default=str))

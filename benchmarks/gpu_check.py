@@ -26,18 +26,16 @@ Example (well under 10 minutes on one H100/H200)::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Callable, Optional
 
 import _common  # noqa: F401  (puts the checkout on sys.path)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import GiB, MiB, PeakRSS, SavedBytes, machine
+from _common import GiB, MiB, PeakRSS, SavedBytes, machine, write_json
 
 VARIANTS = ("no_sp", "sp", "sp_sac")
 
@@ -246,9 +244,7 @@ def main(argv: Optional[list[str]] = None) -> Optional[dict]:
     res = run(args)
     print(markdown(res))
     print(f"wall time {res['wall_s']:.0f}s")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+    write_json(res, args.out)
     return res
 
 

@@ -30,18 +30,16 @@ Example (the figures in BENCHMARKS.md)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import _common  # noqa: F401  (puts the checkout on sys.path)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import MiB, PeakRSS, SavedBytes, init_worker, launch, machine, ratio
+from _common import MiB, PeakRSS, SavedBytes, init_worker, launch, machine, plot_panels, ratio, write_json
 from ulysses_baseline import default_impl, init_deepspeed, local_shard, ulysses_loss, ulyssesify
 
 from lightning_autosp.compile import AutoSPBackend
@@ -296,27 +294,15 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = results["runs"]
-    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
-    for ax, (n, run_) in zip(axes[0], runs.items()):
-        for name, r in run_["variants"].items():
-            xs = sorted(int(k) for k in r["search_peaks"])
-            ax.plot(xs, [r["search_peaks"][k] / MiB for k in xs], marker="o", label=name)
-        ax.axhline(results["args"]["budget_mib"], color="gray", linestyle="--", label="budget")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length")
-        ax.set_ylabel("step peak MiB per process")
-        ax.set_title(f"{n} processes (CPU, gloo)")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    panels = {
+        f"{n} processes (CPU, gloo)": {
+            name: (sorted(peaks), [peaks[k] / MiB for k in sorted(peaks)])
+            for name, r in run_["variants"].items()
+            for peaks in [{int(k): v for k, v in r["search_peaks"].items()}]  # JSON keys are strings
+        }
+        for n, run_ in results["runs"].items()
+    }
+    plot_panels(panels, path, "step peak MiB per process", (results["args"]["budget_mib"], "budget"))
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -330,9 +316,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     add_predictions(results)
     print(markdown(results))
     print(f"wall time {results['wall_s']:.0f}s")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    write_json(results, args.out)
     if args.plot:
         plot(results, args.plot)
     return results

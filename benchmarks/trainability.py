@@ -35,14 +35,12 @@ Example (the figures in BENCHMARKS.md)::
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Optional
 
 import memory_model as mm
-from _common import GiB, machine
+from _common import GiB, machine, plot_panels, write_json
 
 from lightning_autosp.models import LlamaConfig
 
@@ -189,38 +187,26 @@ def comparison(res: dict) -> list[str]:
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     a = res["args"]
-    models = res["models"]
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
-    for ax, (name, m) in zip(axes[0], models.items()):
+    panels = {}
+    for name, m in res["models"].items():
         static = m["settings"].get("zero3", next(iter(m["settings"].values())))["static_bytes"]
-        for v, curve in m["curves"].items():
-            xs = sorted(int(S) for S in curve)
-            ax.plot(xs, [(static + curve[S if S in curve else str(S)]) / GiB for S in xs], marker="o", label=LABELS[v])
-        ax.axhline(a["gpu_gib"] * a["usable"], color="gray", linestyle="--", label="usable GPU memory")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length")
-        ax.set_ylabel("predicted GiB per GPU (ZeRO-3 static + activation peak)")
-        ax.set_title(f"{name}, {a['sp_size']} GPUs")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        panels[f"{name}, {a['sp_size']} GPUs"] = {
+            LABELS[v]: (sorted(c), [(static + c[S]) / GiB for S in sorted(c)])
+            for v, curve in m["curves"].items()
+            for c in [{int(S): b for S, b in curve.items()}]  # JSON keys are strings
+        }
+    plot_panels(
+        panels, path, "predicted GiB per GPU (ZeRO-3 static + activation peak)",
+        (a["gpu_gib"] * a["usable"], "usable GPU memory"),
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
     res = run(args)
     print(markdown(res))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+    write_json(res, args.out)
     if args.plot:
         plot(res, args.plot)
     return res
