@@ -217,22 +217,20 @@ def markdown(res: dict) -> str:
         f"alone (fake process group). Peaks: {'allocator' if res['device'] != 'CPU' else 'resident memory'}, above the "
         "level before the step (weights and gradients excluded).",
         "",
-        "| variant | S | saved MiB (predicted) | measured / predicted | activation peak MiB (predicted) | measured / "
-        "predicted | step s | tokens/s on this device |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| variant | S | saved MiB (predicted) | measured / predicted | activation peak MiB (predicted) | measured / "
+        f"predicted | step s | tokens/s on this device | longest S within {a['budget_gib']:g} GiB, measured (predicted) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for v, r in res["variants"].items():
-        for S, x in r["lengths"].items():
+        for i, (S, x) in enumerate(r["lengths"].items()):
             p = x["predicted"]
+            oom = f", out of memory at {r['oom_at']}" if r["oom_at"] else ""
+            longest = f"{r['longest']} ({r['longest_predicted']}){oom}" if i == 0 else ""
             lines.append(
                 f"| {v} | {S} | {x['saved'] / MiB:.0f} ({p['saved'] / MiB:.0f}) | {x['saved'] / p['saved']:.2f} | "
                 f"{x['peak'] / MiB:.0f} ({p['peak'] / MiB:.0f}) | {x['peak'] / p['peak']:.2f} | {x['step_s']:.3f} | "
-                f"{x['tokens_per_s']:.0f} |"
+                f"{x['tokens_per_s']:.0f} | {longest} |"
             )
-    lines += ["", f"| variant | longest S within {a['budget_gib']:g} GiB of activations, measured | predicted |", "|---|---|---|"]
-    for v, r in res["variants"].items():
-        note = f" (out of memory at {r['oom_at']})" if r["oom_at"] else ""
-        lines.append(f"| {v} | {r['longest']}{note} | {r['longest_predicted']} |")
     return "\n".join(lines)
 
 

@@ -74,10 +74,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def static_bytes(params: dict[str, int], setting: str, world: int) -> int:
-    if setting == "zero3":
-        return 16 * params["total"] // world + 2 * 2 * max(params["layer"], params["embedding"])
-    return 16 * params["total"]
+def static_bytes(params: dict[str, int], setting: str, world: int) -> dict[str, int]:
+    """Per-rank bytes of bf16 parameters and gradients, fp32 optimizer state (master weights
+    and two Adam moments) and, for ZeRO-3, the gathered copies of the largest module."""
+    shard = world if setting == "zero3" else 1
+    n = params["total"]
+    out = {"parameters": 2 * n // shard, "gradients": 2 * n // shard, "optimizer": 12 * n // shard}
+    out["gathered"] = 2 * 2 * max(params["layer"], params["embedding"]) if setting == "zero3" else 0
+    out["total"] = sum(out.values())
+    return out
 
 
 def longest(memory, static: int, budget: float, granule: int, limit: int = 1 << 24) -> int:
@@ -112,8 +117,9 @@ def run(args: argparse.Namespace) -> dict:
         per_token = {v: m.memory(65536)["saved"] / 65536 for v, m in models.items()}
         rows: dict = {}
         for setting in args.settings:
-            static = static_bytes(params, setting, args.sp_size)
-            rows[setting] = {"static_bytes": static, "variants": {}}
+            parts = static_bytes(params, setting, args.sp_size)
+            static = parts["total"]
+            rows[setting] = {"static_bytes": static, "static": parts, "variants": {}}
             for v, m in models.items():
                 S = longest(m.memory, static, budget, args.granule)
                 rows[setting]["variants"][v] = {
@@ -161,6 +167,11 @@ def markdown(res: dict) -> str:
                     f"{mem['peak'] / GiB if mem else 0:.1f} | {_ratio(r['longest'], vs['no_sp_eager']['longest'])} | "
                     f"{_ratio(r['longest'], vs['ulysses_eager']['longest'])} | {_ratio(r['longest'], vs['sp']['longest'])} |"
                 )
+        lines.append("")
+        for setting, row in m["settings"].items():
+            if "static" in row:
+                parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in row["static"].items() if k != "total")
+                lines.append(f"- static GiB per rank, {setting}: {parts}")
         lines.append("")
     lines += comparison(res)
     return "\n".join(lines)
