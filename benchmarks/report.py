@@ -39,19 +39,23 @@ def run_all() -> None:
 
 
 def _key_ratios(tp: dict) -> list[str]:
+    budget = tp["args"]["budget_mib"]
     out = []
     for n, run in tp["runs"].items():
         v = run["variants"]
+        tps = {k: x["tokens_per_s"] for k, x in v.items()}
+        at = {k: sp_throughput.at_budget(x, budget) for k, x in v.items()}
+        lengths = ", ".join(f"{k} {at[k]:.0f}" for k in v if at[k])
+        sac_gain = f"{at['autosp_sac'] / at['autosp']:.2f}x" if at["autosp_sac"] and at["autosp"] else "-"
+        hw_gain = f"{at['autosp_sac'] / at['ulysses_eager']:.2f}x" if at["autosp_sac"] and at["ulysses_eager"] else "-"
         out.append(
-            f"- {n} processes: AutoSP + SAC runs at **{v['autosp_sac']['tokens_per_s'] / v['ulysses_compiled']['tokens_per_s']:.2f}x** "
-            f"the tokens/s of compiled hand-written Ulysses and **{v['autosp_sac']['tokens_per_s'] / v['ulysses_eager']['tokens_per_s']:.2f}x** "
-            f"of eager hand-written Ulysses (AutoSP without SAC: {v['autosp']['tokens_per_s'] / v['ulysses_compiled']['tokens_per_s']:.2f}x / "
-            f"{v['autosp']['tokens_per_s'] / v['ulysses_eager']['tokens_per_s']:.2f}x); it keeps "
-            f"{v['ulysses_eager']['saved_bytes'] / v['autosp_sac']['saved_bytes']:.2f}x fewer bytes for backward than eager "
-            f"hand-written Ulysses and {v['autosp']['saved_bytes'] / v['autosp_sac']['saved_bytes']:.2f}x fewer than AutoSP "
-            f"without SAC; longest sequence within the budget: {v['autosp_sac']['longest']} (AutoSP + SAC), "
-            f"{v['ulysses_compiled']['longest']} / {v['ulysses_eager']['longest']} (hand-written compiled / eager), "
-            f"{v['ddp_compiled']['longest']} (DDP, no SP)."
+            f"- {n} processes: tokens/s of AutoSP without SAC / compiled hand-written Ulysses "
+            f"**{tps['autosp'] / tps['ulysses_compiled']:.2f}x**, / eager hand-written "
+            f"**{tps['autosp'] / tps['ulysses_eager']:.2f}x**; with SAC {tps['autosp_sac'] / tps['ulysses_compiled']:.2f}x / "
+            f"{tps['autosp_sac'] / tps['ulysses_eager']:.2f}x. Bytes saved for backward: eager hand-written / AutoSP + SAC "
+            f"**{v['ulysses_eager']['saved_bytes'] / v['autosp_sac']['saved_bytes']:.2f}x**, AutoSP without / with SAC "
+            f"**{v['autosp']['saved_bytes'] / v['autosp_sac']['saved_bytes']:.2f}x**. Length at the budget (interpolated): "
+            f"{lengths}; AutoSP + SAC / AutoSP without SAC **{sac_gain}**, / eager hand-written **{hw_gain}**."
         )
     return out
 

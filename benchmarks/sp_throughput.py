@@ -19,7 +19,8 @@ Reported per variant: tokens/s (tokens of the whole group per step / step time),
 autograd keeps for backward per rank (``saved_tensors_hooks``), the peak resident memory a
 step adds per process (high-water mark, glibc set to return large frees at once), and the
 longest sequence whose step stays within ``--budget-mib`` per process, found by doubling
-from ``--search-start``. The gradients of the first step of every SP variant are compared
+from ``--search-start`` (and, as doubling only resolves a factor of 2, the length at which
+the peak reaches the budget, interpolated between the two measured lengths around it). The gradients of the first step of every SP variant are compared
 with the eager hand-written baseline (they must agree).
 
 Example (the figures in BENCHMARKS.md)::
@@ -259,6 +260,19 @@ def add_predictions(results: dict) -> None:
                 r["predicted_saved_bytes"] = mm.trace(cfg, MODEL_OF[name], int(n), torch.float32, S).memory(S)["saved"]
 
 
+def at_budget(r: dict, budget_mib: float) -> Optional[float]:
+    """The length at which the step peak reaches the budget, interpolated linearly between
+    the last measured length that fit and the first that did not (None if none failed)."""
+    peaks = {int(k): v for k, v in r["search_peaks"].items()}
+    budget = budget_mib * MiB
+    over = [S for S in sorted(peaks) if peaks[S] > budget]
+    if not over or over[0] == min(peaks):
+        return None
+    hi = over[0]
+    lo = max(S for S in peaks if S < hi)
+    return lo + (budget - peaks[lo]) * (hi - lo) / (peaks[hi] - peaks[lo])
+
+
 def markdown(results: dict) -> str:
     args = results["args"]
     lines = [
@@ -276,18 +290,21 @@ def markdown(results: dict) -> str:
             f"hand-written Ulysses: {run_['ulysses']})",
             "",
             "| variant | step s | tokens/s | vs hand-written compiled | vs hand-written eager | saved for backward MiB/rank "
-            "(memory model) | step peak MiB/process | longest S within budget | grad rel. diff vs hand-written |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "(memory model) | step peak MiB/process | longest S within budget (doubling) | S at budget, "
+            "interpolated | grad rel. diff vs hand-written |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in res.items():
             longest = f"{'>= ' if r['capped'] else ''}{r['longest'] or '< ' + str(args['search_start'])}"
+            interp = at_budget(r, args["budget_mib"])
+            interp = f"{interp:.0f}" if interp else "-"
             diff = f"{r['grad_rel_diff']:.1e}" if "grad_rel_diff" in r else "-"
             pred = f" ({r['predicted_saved_bytes'] / MiB:.1f})" if "predicted_saved_bytes" in r else ""
             lines.append(
                 f"| {name} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | "
                 f"{ratio(r['tokens_per_s'], ref_c['tokens_per_s']) if ref_c else '-'} | "
                 f"{ratio(r['tokens_per_s'], ref_e['tokens_per_s']) if ref_e else '-'} | {r['saved_bytes'] / MiB:.1f}{pred} | "
-                f"{r['peak_bytes'] / MiB:.1f} | {longest} | {diff} |"
+                f"{r['peak_bytes'] / MiB:.1f} | {longest} | {interp} | {diff} |"
             )
         lines.append("")
     return "\n".join(lines)
