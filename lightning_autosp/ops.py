@@ -75,21 +75,24 @@ def all_to_all(
         return torch.cat(recv.unbind(0), dim=gather_dim)  # [.., m*P, ..]
     sizes = seq_split_sizes(seq_len, group_size)
     if gather_dim == seq_dim:  # local tokens, all heads -> all tokens, our heads
-        parts = [c.contiguous() for c in x.chunk(group_size, dim=scatter_dim)]  # P x [.., H/P, .., n_r, ..]
+        parts = x.chunk(group_size, dim=scatter_dim)  # P views [.., H/P, .., n_r, ..]
         shapes = []
         for n in sizes:
             shp = list(parts[0].shape)
             shp[gather_dim] = n
             shapes.append(shp)
     else:  # all tokens, our heads -> local tokens, all heads
-        parts = [c.contiguous() for c in x.split(sizes, dim=scatter_dim)]  # P x [.., H/P, .., n_j, ..]
+        parts = x.split(sizes, dim=scatter_dim)  # P views [.., H/P, .., n_j, ..]
         shp = list(parts[rank].shape)
         shapes = [shp] * group_size
-    send = torch.cat([p.reshape(-1) for p in parts])
+    send_counts = [p.numel() for p in parts]
+    send = x.new_empty(sum(send_counts))
+    for p, buf in zip(parts, send.split(send_counts)):  # one copy into the send buffer
+        buf.view(p.shape).copy_(p)
     recv_counts = [math.prod(shp) for shp in shapes]
     recv = send.new_empty(sum(recv_counts))
     dist.all_to_all_single(
-        recv, send, output_split_sizes=recv_counts, input_split_sizes=[p.numel() for p in parts], group=pg
+        recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=pg
     )
     pieces = [r.view(shp) for r, shp in zip(recv.split(recv_counts), shapes)]
     return torch.cat(pieces, dim=gather_dim)
