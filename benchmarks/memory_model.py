@@ -13,7 +13,8 @@ From the two graphs:
 * **peak**: a liveness walk over the forward and then the backward graph. Each op allocates
   its outputs (views allocate nothing and keep their base alive); an allocation is freed after
   its last use; what the forward saves stays live into the backward and is freed after its
-  last use there; parameter gradients are not counted here (they belong to the static part).
+  last use there; parameter gradients are left to the static memory (``trainability.py``
+  counts them there), or counted to the end of the backward with ``count_grads``.
   The walk is over the unfused AOT graphs, so it over-counts the transients a fusing compiler
   (inductor) never materialises: an upper bound for a compiled run.
 
@@ -86,6 +87,14 @@ class _Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
 
 
+def keep_rope_fp32(model: Llama) -> Llama:
+    """``module.to(bf16)`` casts the rotary frequencies too; put them back in fp32 (as built)."""
+    cfg = model.config
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    model.inv_freq = inv.to(model.inv_freq.device)
+    return model
+
+
 class _KeepGraphs(SACPartitioner):
     """The AutoSP partition function, also keeping the forward and backward graphs;
     ``eager_saving`` swaps the min-cut partition for AOT's default one."""
@@ -128,10 +137,14 @@ class Trace:
             self._sizes[key] = int(expr.xreplace({s: sympy.Integer(S) for s in expr.free_symbols}))
         return self._sizes[key]
 
-    def memory(self, S: int) -> dict[str, int]:
-        """``saved``, ``fw_peak`` and ``bw_peak`` activation bytes of rank 0 at length ``S``."""
+    def memory(self, S: int, count_grads: bool = False) -> dict[str, int]:
+        """``saved``, ``fw_peak`` and ``bw_peak`` activation bytes of rank 0 at length ``S``.
+
+        ``count_grads``: also count the parameter gradients the backward graph returns, live
+        from when each is made to the end of the graph (a run whose ``.grad`` already exists);
+        by default they are left to the static memory."""
         fw = _walk(self.fw, S, self, saved_from=None, num_fwd_outputs=self.num_fwd_outputs)
-        bw = _walk(self.bw, S, self, saved_from=fw)
+        bw = _walk(self.bw, S, self, saved_from=fw, count_grads=count_grads)
         return {"saved": fw.saved, "fw_peak": fw.peak, "bw_peak": bw.peak, "peak": max(fw.peak, bw.peak)}
 
 
@@ -143,6 +156,13 @@ def _tensor_bytes(val: Any) -> Optional[sympy.Expr]:
     return sympy.expand(n * val.element_size())
 
 
+def _is_alias_node(n: Any) -> bool:
+    return (
+        isinstance(n, fx.Node) and n.op == "call_function" and _is_alias(n.target)
+        and bool(n.args) and isinstance(n.args[0], fx.Node)
+    )
+
+
 @dataclass
 class _Walk:
     peak: int
@@ -152,7 +172,9 @@ class _Walk:
     size: dict[Any, int]
 
 
-def _walk(gm: fx.GraphModule, S: int, tr: Trace, saved_from: Optional[_Walk], num_fwd_outputs: int = 0) -> _Walk:
+def _walk(
+    gm: fx.GraphModule, S: int, tr: Trace, saved_from: Optional[_Walk], num_fwd_outputs: int = 0, count_grads: bool = False
+) -> _Walk:
     """Liveness walk over one graph. For the backward graph (``saved_from`` = the forward's
     walk) the placeholders that the forward saved refer to the forward's allocations."""
     nodes = list(gm.graph.nodes)
@@ -174,8 +196,12 @@ def _walk(gm: fx.GraphModule, S: int, tr: Trace, saved_from: Optional[_Walk], nu
                 storage[n], size[n], born[n] = n, tr.nbytes(b, S), -1
         elif n.op != "call_function":
             continue
-        elif _is_alias(n.target) and n.args and isinstance(n.args[0], fx.Node):
-            storage[n] = storage.get(n.args[0])
+        elif _is_alias_node(n):
+            if n.args[0] in storage:
+                storage[n] = storage[n.args[0]]
+        elif n.target is operator.getitem and _is_alias_node(n.args[0]):
+            if n.args[0] in storage:  # an output of a multi-output view op (split, unbind)
+                storage[n] = storage[n.args[0]]
         elif n.target is operator.getitem and isinstance(n.args[0], fx.Node):
             b = _tensor_bytes(n.meta.get("val"))
             if b is not None:
@@ -199,10 +225,13 @@ def _walk(gm: fx.GraphModule, S: int, tr: Trace, saved_from: Optional[_Walk], nu
                 last[storage[o]] = len(nodes)
         kept = {storage[o] for o in outs[num_fwd_outputs:] if storage.get(o) is not None}
         saved = sum(size[k] for k in kept)
-    else:  # backward: parameter gradients belong to the static memory
+    else:  # backward: parameter gradients live to the end of the graph, or belong to the static memory
         for o in outs:
             if storage.get(o) is not None and born.get(storage[o], -1) >= 0:
-                size[storage[o]] = 0
+                if count_grads:
+                    last[storage[o]] = len(nodes)
+                else:
+                    size[storage[o]] = 0
         saved = 0
     births: dict[int, list] = {}
     deaths: dict[int, list] = {}
@@ -242,8 +271,7 @@ def trace(cfg: LlamaConfig, variant: str, sp_size: int = 8, dtype: torch.dtype =
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     with torch.device("meta"):
         model = Llama(cfg)
-    model = model.to_empty(device="cpu").to(dtype)
-    model.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    model = keep_rope_fp32(model.to_empty(device="cpu").to(dtype))
     if variant == "no_sp_ac":
         model.layers = torch.nn.ModuleList(_Checkpointed(b) for b in model.layers)
 
@@ -282,9 +310,9 @@ class LayerModel:
     two: Trace
     n_layers: int
 
-    def memory(self, S: int, n_layers: Optional[int] = None) -> dict[str, int]:
+    def memory(self, S: int, n_layers: Optional[int] = None, count_grads: bool = False) -> dict[str, int]:
         n = self.n_layers if n_layers is None else n_layers
-        a, b = self.one.memory(S), self.two.memory(S)
+        a, b = self.one.memory(S, count_grads), self.two.memory(S, count_grads)
         return {k: a[k] + (n - 1) * (b[k] - a[k]) for k in a}
 
 

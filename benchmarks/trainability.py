@@ -14,8 +14,9 @@ search finds). Assumptions (printed with the results):
 * bf16 weights and activations in the traced step; mixed-precision Adam: 16 bytes per
   parameter (bf16 weight and gradient, fp32 master weight and two moments);
 * ``zero3``: parameters, gradients and optimizer states sharded over all 8 ranks (the
-  paper's baseline, ZeRO-3/FSDP), plus two gathered bf16 copies of the largest module
-  (the one computing and the one prefetched); ``ddp``: every rank holds everything (what
+  paper's baseline, ZeRO-3/FSDP), plus, for the largest module, two gathered bf16 copies
+  of its parameters (the one computing and the one prefetched) and its unsharded bf16
+  gradients before their reduce-scatter; ``ddp``: every rank holds everything (what
   ``AutoSPStrategy``, a DDP strategy, does today);
 * batch 1 sequence per SP group (SP variants) or per rank (no SP); causal attention with a
   fused kernel that keeps only its output and log-sum-exp (the CPU flash kernel is traced;
@@ -76,11 +77,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def static_bytes(params: dict[str, int], setting: str, world: int) -> dict[str, int]:
     """Per-rank bytes of bf16 parameters and gradients, fp32 optimizer state (master weights
-    and two Adam moments) and, for ZeRO-3, the gathered copies of the largest module."""
+    and two Adam moments) and, for ZeRO-3, the largest module's gathered parameters (two
+    copies: computing and prefetched) and unsharded gradients (before the reduce-scatter).
+    Parameter gradients are therefore not counted again in the activation peak."""
     shard = world if setting == "zero3" else 1
     n = params["total"]
     out = {"parameters": 2 * n // shard, "gradients": 2 * n // shard, "optimizer": 12 * n // shard}
-    out["gathered"] = 2 * 2 * max(params["layer"], params["embedding"]) if setting == "zero3" else 0
+    out["gathered"] = 3 * 2 * max(params["layer"], params["embedding"]) if setting == "zero3" else 0
     out["total"] = sum(out.values())
     return out
 
