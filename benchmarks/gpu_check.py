@@ -4,8 +4,9 @@ On one device, each variant of ``benchmarks/memory_model.py`` trains a Llama wit
 (default: Llama-3.2-1B with 4 layers, bf16) and the script measures, per sequence length:
 
 * the bytes autograd keeps for backward (``saved_tensors_hooks``) and the activation peak of
-  a step (``torch.cuda.max_memory_allocated`` above the level before it; gradients already
-  allocated), next to what the model predicts from the traced graphs;
+  a step (``torch.cuda.max_memory_allocated`` above the level before it, with ``.grad``
+  already allocated, so it includes the gradients the compiled backward returns before they
+  are accumulated), next to what the model predicts from the traced graphs (``count_grads``);
 * step time and tokens/s of the device's share of the work;
 * the longest sequence within ``--budget-gib`` of activation memory, by doubling, measured
   and predicted.
@@ -99,8 +100,10 @@ def build(variant: str, cfg, args: argparse.Namespace, device: torch.device) -> 
     from lightning_autosp.models import Llama
     from lightning_autosp.passes.sac import SACConfig
 
+    import memory_model as mm
+
     torch.manual_seed(0)
-    model = Llama(cfg).to(device=device, dtype=torch.bfloat16)
+    model = mm.keep_rope_fp32(Llama(cfg).to(device=device, dtype=torch.bfloat16))
 
     def step(ids, labels):
         logits = model(ids)
@@ -152,7 +155,9 @@ def measure(model, fn, dev: Device, S: int, reps: int, full: bool = True) -> dic
     return {"saved": saved.total, "peak": peak, "step_s": statistics.median(times)}
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda res: None) -> dict:
+    """Every variant in turn; ``save`` gets the results so far after each one. Variants not
+    started within ``--max-minutes`` are skipped (listed in ``skipped``)."""
     import memory_model as mm
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -169,14 +174,21 @@ def run(args: argparse.Namespace) -> dict:
     dev = Device(device)
     t0 = time.perf_counter()
     budget = args.budget_gib * GiB
-    res: dict = {"args": vars(args), "machine": machine(), "device": _device_name(device), "config": cfg.__dict__, "variants": {}}
+    res: dict = {
+        "args": vars(args), "machine": machine(), "device": _device_name(device), "config": cfg.__dict__,
+        "variants": {}, "skipped": [],
+    }
+    out_of_time = lambda: time.perf_counter() - t0 > 60 * args.max_minutes  # noqa: E731
     for variant in args.variants:
+        if out_of_time():
+            res["skipped"].append(variant)
+            continue
         model_mem = mm.layer_model(cfg, variant, args.sp_size)
         model, fn = build(variant, cfg, args, device)
         rows = {}
         for S in args.seq_lens:
             r = measure(model, fn, dev, S, args.reps)
-            r["predicted"] = model_mem.memory(S)
+            r["predicted"] = model_mem.memory(S, count_grads=True)
             r["tokens_per_s"] = (S if variant == "no_sp" else S // args.sp_size) / r["step_s"]
             rows[S] = r
             print(
@@ -184,8 +196,11 @@ def run(args: argparse.Namespace) -> dict:
                 f"peak {r['peak'] / MiB:.0f} MiB (predicted {r['predicted']['peak'] / MiB:.0f}), {r['step_s']:.3f}s",
                 flush=True,
             )
-        longest, S, oom = 0, min(args.seq_lens), None
-        while S <= args.search_max and time.perf_counter() - t0 < 60 * args.max_minutes:
+        longest, S, oom, cut = 0, min(args.seq_lens), None, False
+        while S <= args.search_max:
+            if out_of_time():
+                cut = True
+                break
             try:
                 peak = measure(model, fn, dev, S, reps=0, full=False)["peak"]
             except torch.OutOfMemoryError:
@@ -195,12 +210,16 @@ def run(args: argparse.Namespace) -> dict:
                 break
             longest, S = S, 2 * S
         predicted = max((S for S in (min(args.seq_lens) << k for k in range(24)) if S <= args.search_max
-                         and model_mem.memory(S)["peak"] <= budget), default=0)
-        res["variants"][variant] = {"lengths": rows, "longest": longest, "longest_predicted": predicted, "oom_at": oom}
+                         and model_mem.memory(S, count_grads=True)["peak"] <= budget), default=0)
+        res["variants"][variant] = {
+            "lengths": rows, "longest": longest, "longest_predicted": predicted, "oom_at": oom, "search_cut": cut,
+        }
         del model, fn
         torch._dynamo.reset()
         if dev.cuda:
             torch.cuda.empty_cache()
+        res["wall_s"] = time.perf_counter() - t0
+        save(res)
     res["wall_s"] = time.perf_counter() - t0
     return res
 
@@ -225,12 +244,15 @@ def markdown(res: dict) -> str:
         for i, (S, x) in enumerate(r["lengths"].items()):
             p = x["predicted"]
             oom = f", out of memory at {r['oom_at']}" if r["oom_at"] else ""
+            oom += " (search cut short by --max-minutes)" if r.get("search_cut") else ""
             longest = f"{r['longest']} ({r['longest_predicted']}){oom}" if i == 0 else ""
             lines.append(
                 f"| {v} | {S} | {x['saved'] / MiB:.0f} ({p['saved'] / MiB:.0f}) | {x['saved'] / p['saved']:.2f} | "
                 f"{x['peak'] / MiB:.0f} ({p['peak'] / MiB:.0f}) | {x['peak'] / p['peak']:.2f} | {x['step_s']:.3f} | "
                 f"{x['tokens_per_s']:.0f} | {longest} |"
             )
+    if res.get("skipped"):
+        lines += ["", f"Not run (past --max-minutes): {', '.join(res['skipped'])}."]
     return "\n".join(lines)
 
 
@@ -239,10 +261,9 @@ def main(argv: Optional[list[str]] = None) -> Optional[dict]:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: skipped, no CUDA device (use --device cpu --tiny for a dry run of the script)")
         return None
-    res = run(args)
+    res = run(args, save=lambda r: write_json(r, args.out))
     print(markdown(res))
     print(f"wall time {res['wall_s']:.0f}s")
-    write_json(res, args.out)
     return res
 
 
