@@ -1,7 +1,7 @@
 # Two entry points, each working on a fresh machine (they create .venv on first use):
 #   make demo   - the main job: long-context KV recall, 2 CPU processes, sequence parallel (sp=2)
 #   make test   - the test suite
-#   make benchmarks - every benchmark, then BENCHMARKS.md (about an hour on 2 cores)
+#   make benchmarks - every benchmark, then BENCHMARKS.md (about 15 minutes on 2 cores)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch 2.13 CPU build; on a GPU machine install your CUDA build of torch first and set TORCH_SPEC=torch

@@ -224,7 +224,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     # the longest sequence within the budget, by doubling
     budget = args.budget_mib * MiB
     for name, v in variants.items():
-        peaks, longest, L = {}, 0, args.search_start
+        peaks, longest, L, over = {}, 0, args.search_start, False
         while L <= args.search_max:
             batch = v.inputs(L, 200)
             v.model.zero_grad(set_to_none=True)
@@ -233,9 +233,10 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             peaks[L] = max_over_ranks(probe.stop())
             say(f"[{world} procs] {name}: S={L} peak {peaks[L] / MiB:.0f} MiB", flush=True)
             if peaks[L] > budget:
+                over = True
                 break
             longest, L = L, 2 * L
-        res[name].update(search_peaks=peaks, longest=longest, capped=longest == args.search_max)
+        res[name].update(search_peaks=peaks, longest=longest, capped=not over)
     return {"ulysses": ulysses, "variants": res}
 
 

@@ -5,6 +5,7 @@ The benchmarks report numbers; these tests check that the instruments measure wh
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -49,7 +50,6 @@ def test_memory_model_matches_eager_autograd():
     measured = eager_saved_bytes(CFG, S)
     predicted = mm.trace(CFG, "no_sp_eager", S=S).memory(S)
     assert predicted["saved"] == measured
-    assert predicted["peak"] >= predicted["saved"]
     # negative control: the instrument tells partitions apart (min-cut saves less than eager autograd)
     assert mm.trace(CFG, "no_sp", S=S).memory(S)["saved"] < measured
 
@@ -67,6 +67,45 @@ def test_memory_model_depth_extrapolation_and_variant_order():
     assert lm.two.memory(S)["saved"] < two["sp"] < two["no_sp"]
 
 
+def _liveness_peak(f) -> int:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(f, tracing_mode="fake")(torch.zeros(1024))
+    return mm._walk(gm, 0, mm.Trace(fw=gm, bw=gm, num_fwd_outputs=1), saved_from=None, num_fwd_outputs=1).peak
+
+
+def test_liveness_walk_on_a_known_graph():
+    def f(x):  # fp32: a, c 4 KiB each, e 2 KiB; views (view, split) allocate nothing
+        a = x * 2
+        c = a.view(32, 32) + 1  # a dies here: the peak, a + c = 8 KiB
+        d0, d1 = c.split(16)
+        e = d0 * 3
+        return e + d1.sum()
+
+    assert _liveness_peak(f) == 8192
+
+    def g(x):  # negative control: a used at the end stays alive next to c and e
+        a = x * 2
+        c = a.view(32, 32) + 1
+        d0, d1 = c.split(16)
+        e = d0 * 3
+        return e + d1.sum() + a.sum()
+
+    assert _liveness_peak(g) == 4096 + 4096 + 2048 + 4  # a, c, e and d1.sum() (fp32 scalar)
+
+
+def test_static_memory_and_budget_interpolation():
+    import sp_throughput
+
+    params = {"total": 8_000, "layer": 100, "embedding": 300}
+    zero3 = trainability.static_bytes(params, "zero3", world=8)
+    assert zero3 == {"parameters": 2000, "gradients": 2000, "optimizer": 12000, "gathered": 1800, "total": 17800}
+    assert trainability.static_bytes(params, "ddp", world=8)["total"] == 16 * 8_000
+    r = {"search_peaks": {"1024": 100 * 2**20, "2048": 200 * 2**20, "4096": 500 * 2**20}}
+    assert sp_throughput.at_budget(r, budget_mib=350) == pytest.approx(2048 + 150 / 300 * 2048)
+    assert sp_throughput.at_budget(r, budget_mib=600) is None  # never over the budget
+
+
 def test_longest_search_is_exact():
     def mem(S):
         return {"peak": 3 * S}
@@ -82,11 +121,14 @@ def test_gpu_check_skips_cleanly_without_cuda(capsys, monkeypatch):
     assert "skipped, no CUDA" in capsys.readouterr().out
 
 
-def _ulysses_worker(rank: int, world: int) -> dict:
+def _ulysses_worker(rank: int, world: int, impl: str) -> dict:
     """Loss and summed gradients of the hand-written Ulysses model, of the same sharding
     without its all-to-alls (negative control), and of one device on the whole batch."""
     import torch.distributed as dist
-    from ulysses_baseline import local_shard, ulysses_loss, ulyssesify
+    from ulysses_baseline import init_deepspeed, local_shard, ulysses_loss, ulyssesify
+
+    if impl == "deepspeed":
+        init_deepspeed()
 
     cfg = LlamaConfig.tiny(vocab_size=64, n_heads=4, n_kv_heads=2)
     g = torch.Generator().manual_seed(1)
@@ -102,7 +144,7 @@ def _ulysses_worker(rank: int, world: int) -> dict:
     F.cross_entropy(logits.view(-1, 64), labels.view(-1)).backward()
     ref_loss = float(F.cross_entropy(logits.view(-1, 64), labels.view(-1)))
     out = {}
-    for name, model in (("ulysses", ulyssesify(fresh(), dist.group.WORLD)), ("no_all_to_all", fresh())):
+    for name, model in (("ulysses", ulyssesify(fresh(), dist.group.WORLD, impl)), ("no_all_to_all", fresh())):
         loss = ulysses_loss(model, *local_shard(ids, labels, rank, world), world)
         loss.backward()
         total = loss.detach().clone()
@@ -116,9 +158,19 @@ def _ulysses_worker(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_handwritten_ulysses_baseline_matches_one_device(tmp_path, world):
-    for res in spawn(tmp_path, _ulysses_worker, world):
+@pytest.mark.parametrize(
+    ("impl", "world"),
+    [
+        ("funcol", 2),
+        ("funcol", 4),
+        pytest.param(
+            "deepspeed", 2,
+            marks=pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed"),
+        ),
+    ],
+)
+def test_handwritten_ulysses_baseline_matches_one_device(tmp_path, impl, world):
+    for res in spawn(tmp_path, _ulysses_worker, world, impl):
         loss_err, grad_err = res["ulysses"]
         assert loss_err < 1e-6 and grad_err < 1e-5
         # negative control: the same slices without the exchange. Random tokens at init put every
