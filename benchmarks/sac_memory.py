@@ -28,13 +28,14 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import _common  # noqa: F401  (puts the checkout on sys.path)
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _common import MiB, free_port, ratio
+from _common import MiB, SavedBytes, free_port, ratio
 
 from lightning_autosp.compile import AutoSPBackend
 from lightning_autosp.memory import OP_KINDS, SavedTensor
@@ -108,14 +109,14 @@ def run(rank: int, args: argparse.Namespace) -> dict:
         torch._dynamo.mark_dynamic(labels, 1)
         return ids, labels
 
-    def fwd_bwd(name: str, ids, labels, pack=None) -> float:
-        """One timed forward+backward; ``pack`` (a saved-tensors hook) sees what autograd keeps."""
+    def fwd_bwd(name: str, ids, labels, saved: Optional[SavedBytes] = None) -> float:
+        """One timed forward+backward; ``saved`` records what autograd keeps."""
         dist.barrier()
         t = time.perf_counter()
-        if pack is None:
+        if saved is None:
             steps[name](ids, labels).backward()
         else:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            with saved.hooks():
                 loss = steps[name](ids, labels)
             loss.backward()
         dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
@@ -139,20 +140,12 @@ def run(rank: int, args: argparse.Namespace) -> dict:
             for name in configs:
                 model = models[name]
                 if rep == 0:  # also record what autograd keeps: the cross-check of the record
-                    inputs = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), ids, labels)}
-                    kept: dict[int, int] = {}
-
-                    def pack(t, inputs=inputs, kept=kept):
-                        ptr = t.untyped_storage().data_ptr()
-                        if ptr not in inputs:
-                            kept[ptr] = t.untyped_storage().nbytes()
-                        return t
-
-                    per[name]["times"].append(fwd_bwd(name, ids, labels, pack))
+                    saved = SavedBytes([*model.parameters(), *model.buffers(), ids, labels])
+                    per[name]["times"].append(fwd_bwd(name, ids, labels, saved))
                     rec = backends[name].saved[-1]
                     per[name].update(
                         by_kind=rec.bytes_by_kind(), by_block=rec.bytes_by(block_of),
-                        kept_by_autograd=sum(kept.values()), recomputed=rec.recomputed,
+                        kept_by_autograd=saved.total, recomputed=rec.recomputed,
                     )
                     grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
                 else:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import gpu_check  # noqa: E402
+from _common import SavedBytes  # noqa: E402
 import memory_model as mm  # noqa: E402
 import trainability  # noqa: E402
 from sp_harness import spawn  # noqa: E402
@@ -31,18 +32,11 @@ def eager_saved_bytes(cfg: LlamaConfig, S: int) -> int:
     torch.manual_seed(0)
     model = Llama(cfg).to(torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (1, S))
-    exclude = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), ids)}
-    kept: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in exclude:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    saved = SavedBytes([*model.parameters(), *model.buffers(), ids])
+    with saved.hooks():
         logits = model(ids)
         F.cross_entropy(logits.view(-1, logits.size(-1)), ids.view(-1))
-    return sum(kept.values())
+    return saved.total
 
 
 def test_memory_model_matches_eager_autograd():
