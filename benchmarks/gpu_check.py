@@ -96,8 +96,8 @@ class Device:
 
 
 def build(variant: str, cfg, args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Callable]:
-    from lightning_autosp.compile import AutoSPBackend
-    from lightning_autosp.models import Llama
+    from lightning_autosp.backend import AutoSPBackend
+    from lightning_autosp.examples.models import Llama
     from lightning_autosp.passes.sac import SACConfig
 
     import memory_model as mm
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda res: Non
     import memory_model as mm
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_autosp.models import LlamaConfig
+    from lightning_autosp.examples.models import LlamaConfig
 
     device = torch.device(args.device)
     preset = mm.PRESETS[args.preset]["config"]

@@ -52,8 +52,8 @@ from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch.partitioners import default_partition
 from torch.utils._pytree import tree_leaves
 
-from lightning_autosp.memory import _is_alias
-from lightning_autosp.models import Llama, LlamaConfig
+from lightning_autosp.memory.accounting import _is_alias
+from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes import sequence_parallel_pass
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner
 

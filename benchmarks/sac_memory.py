@@ -37,9 +37,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from _common import MiB, SavedBytes, free_port, ratio
 
-from lightning_autosp.compile import AutoSPBackend
-from lightning_autosp.memory import OP_KINDS, SavedTensor
-from lightning_autosp.models import Llama, LlamaConfig
+from lightning_autosp.backend import AutoSPBackend
+from lightning_autosp.memory.accounting import OP_KINDS, SavedTensor
+from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes.sac import SACConfig
 
 
@@ -216,7 +216,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1, default=str))
     if args.plot:
-        from lightning_autosp.callbacks import plot_saved_bytes
+        from lightning_autosp.memory.monitor import plot_saved_bytes
 
         S = max(res["lengths"])
         r = res["lengths"][S]

@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from _common import MiB, PeakRSS, SavedBytes, init_worker, launch, machine, plot_panels, ratio, write_json
 from ulysses_baseline import default_impl, init_deepspeed, local_shard, ulysses_loss, ulyssesify
 
-from lightning_autosp.compile import AutoSPBackend
-from lightning_autosp.models import Llama, LlamaConfig
+from lightning_autosp.backend import AutoSPBackend
+from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes.sac import SACConfig
 
 VARIANTS = ("autosp_sac", "autosp", "ulysses_compiled", "ulysses_eager", "ddp_compiled")

@@ -43,7 +43,7 @@ from typing import Optional
 import memory_model as mm
 from _common import GiB, machine, plot_panels, write_json
 
-from lightning_autosp.models import LlamaConfig
+from lightning_autosp.examples.models import LlamaConfig
 
 SETTINGS = ("zero3", "ddp")
 LABELS = {

@@ -2,7 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_autosp.callbacks import ActivationMemoryMonitor
+from lightning_autosp.memory.monitor import ActivationMemoryMonitor
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.sampler import SequenceParallelSampler
 from lightning_autosp.strategy import AutoSPStrategy

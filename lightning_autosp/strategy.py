@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
 from lightning_autosp._compat import graph_break_counter
-from lightning_autosp.compile import SUPPORTED_BACKENDS, AutoSPBackend
+from lightning_autosp.backend import SUPPORTED_BACKENDS, AutoSPBackend
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.layout import SPLayout, validate_layout, validate_sp_size
 from lightning_autosp.passes.sac import SACConfig

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_autosp import AutoSPStrategy
-from lightning_autosp.models import GPT, GPTConfig, Llama, LlamaConfig
+from lightning_autosp.examples.models import GPT, GPTConfig, Llama, LlamaConfig
 
 VOCAB = 64
 

@@ -22,7 +22,7 @@ import memory_model as mm  # noqa: E402
 import trainability  # noqa: E402
 from sp_harness import spawn  # noqa: E402
 
-from lightning_autosp.models import Llama, LlamaConfig  # noqa: E402
+from lightning_autosp.examples.models import Llama, LlamaConfig  # noqa: E402
 
 CFG = LlamaConfig.tiny(vocab_size=96, n_layers=1)
 

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_autosp import ActivationMemoryMonitor, AutoSPStrategy
-from lightning_autosp.callbacks import format_summary, plot_saved_bytes, summarize
-from lightning_autosp.memory import OP_KINDS, EagerSavedTensors, op_kind
+from lightning_autosp.memory.monitor import format_summary, plot_saved_bytes, summarize
+from lightning_autosp.memory.accounting import OP_KINDS, EagerSavedTensors, op_kind
 
 KEYS = [f"saved_{k}_bytes" for k in (*OP_KINDS, "total")] + ["peak_bytes"]
 

@@ -7,8 +7,8 @@ from sp_harness import VOCAB, lm_loss, make_model, spawn
 from torch._dynamo.backends.common import aot_autograd
 
 from lightning_autosp import AutoSPError
-from lightning_autosp.compile import AutoSPBackend
-from lightning_autosp.models import Llama, LlamaConfig
+from lightning_autosp.backend import AutoSPBackend
+from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes import sequence_parallel_pass
 from lightning_autosp.passes.sequence_parallel import ALL_TO_ALL, SDPA
 

@@ -18,9 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_autosp import AutoSPStrategy
-from lightning_autosp.compile import AutoSPBackend
-from lightning_autosp.memory import OP_KINDS, node_kind
-from lightning_autosp.models import Llama, LlamaConfig
+from lightning_autosp.backend import AutoSPBackend
+from lightning_autosp.memory.accounting import OP_KINDS, node_kind
+from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes.sac import RECOMPUTABLE_KINDS, SACConfig, SACPartitioner, forward_nodes
 
 A2A = torch.ops.autosp.all_to_all.default

@@ -16,7 +16,7 @@ tells it which forward ops to recompute through its public contract, ``node.meta
   partitioner's own cost model, optionally under an ``activation_memory_budget``.
 
 Op kinds are those of the memory report (:data:`lightning_autosp.memory.OP_KINDS`), so what
-SAC recomputes is what the :class:`~lightning_autosp.callbacks.ActivationMemoryMonitor` shows
+SAC recomputes is what the :class:`~lightning_autosp.memory.monitor.ActivationMemoryMonitor` shows
 shrinking.
 
 :class:`SACPartitioner` is the partition function of one AutoSP compile: tag (when SAC is on),
@@ -41,9 +41,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
-from lightning_autosp import memory
+from lightning_autosp.memory import accounting as memory
 from lightning_autosp.errors import AutoSPError
-from lightning_autosp.memory import OP_KINDS, SavedActivations, list_saved_activations, node_kind
+from lightning_autosp.memory.accounting import OP_KINDS, SavedActivations, list_saved_activations, node_kind
 
 __all__ = ["SACConfig", "SACStats", "RECOMPUTABLE_KINDS", "sac_tag_pass", "SACPartitioner"]
 

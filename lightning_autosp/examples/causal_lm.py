@@ -5,7 +5,7 @@ strategy captures ``self.model`` (and the loss) with Dynamo and rewrites it.
 ``training_step`` therefore computes the loss from the full logits with a plain
 ``F.cross_entropy(..., ignore_index=-100)`` call.
 
-Labels from :class:`~lightning_autosp.data.KVRecallDataModule` are already
+Labels from :class:`~lightning_autosp.examples.kv_recall.KVRecallDataModule` are already
 aligned with the input positions (no shift), and ``-100`` everywhere except at
 query positions, so the token accuracy over non-ignored labels is the *recall
 accuracy* (chance is ``1 / num_values``).
@@ -22,8 +22,8 @@ from lightning import LightningModule
 from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_autosp.data.kv_recall import IGNORE_INDEX, KVRecallDataModule
-from lightning_autosp.models import build_model
+from lightning_autosp.examples.kv_recall import IGNORE_INDEX, KVRecallDataModule
+from lightning_autosp.examples.models import build_model
 
 log = logging.getLogger(__name__)
 

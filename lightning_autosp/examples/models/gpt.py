@@ -3,7 +3,7 @@
 Learned absolute position embeddings (``wpe(torch.arange(S))``), pre-LayerNorm
 blocks, a GELU MLP, causal ``F.scaled_dot_product_attention`` fed from a fused
 ``qkv`` projection, and an output head tied to the token embedding. Like
-:mod:`lightning_autosp.models.llama` it is written as an ordinary user model so
+:mod:`lightning_autosp.examples.models.llama` it is written as an ordinary user model so
 that a Dynamo-based pass can capture and rewrite it.
 """
 

@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 
-from lightning_autosp.memory import SavedActivations
+from lightning_autosp.memory.accounting import SavedActivations
 from lightning_autosp.passes import SPPassStats, sequence_parallel_pass
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner
 

@@ -6,8 +6,8 @@ from typing import Any, Union
 
 from torch import nn
 
-from lightning_autosp.models.gpt import GPT, GPTConfig
-from lightning_autosp.models.llama import Llama, LlamaConfig, RMSNorm, repeat_kv
+from lightning_autosp.examples.models.gpt import GPT, GPTConfig
+from lightning_autosp.examples.models.llama import Llama, LlamaConfig, RMSNorm, repeat_kv
 
 __all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "RMSNorm", "repeat_kv", "build_model", "MODEL_NAMES"]
 

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_autosp.memory import OP_KINDS, EagerSavedTensors, SavedActivations, empty_by_kind
+from lightning_autosp.memory.accounting import OP_KINDS, EagerSavedTensors, SavedActivations, empty_by_kind
 from lightning_autosp.strategy import AutoSPStrategy
 
 if TYPE_CHECKING:

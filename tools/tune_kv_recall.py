@@ -6,7 +6,7 @@ learns well above chance within the CPU demo budget.
 
 Example::
 
-    .venv/bin/python benchmarks/tune_kv_recall.py --threads 2 --seq-len 2048 --steps 300
+    .venv/bin/python tools/tune_kv_recall.py --threads 2 --seq-len 2048 --steps 300
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
-from lightning_autosp.data import KVRecallDataset  # noqa: E402
-from lightning_autosp.models import build_model  # noqa: E402
+from lightning_autosp.examples.kv_recall import KVRecallDataset  # noqa: E402
+from lightning_autosp.examples.models import build_model  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

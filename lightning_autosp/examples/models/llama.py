@@ -81,7 +81,7 @@ class LlamaConfig:
     def demo(cls, vocab_size: int, **overrides) -> "LlamaConfig":
         """The configuration tuned for the KV-recall demo at ``seq_len=2048``.
 
-        See ``benchmarks/tune_kv_recall.py`` for the tuning run.
+        See ``tools/tune_kv_recall.py`` for the tuning run.
         """
         kwargs = dict(
             vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128,
