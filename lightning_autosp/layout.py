@@ -4,6 +4,11 @@ Ranks are laid out row-major on a ``(dp_size, sp_size)`` grid: the ranks of one 
 contiguous (``[k*sp_size, (k+1)*sp_size)``), so with ``devices`` processes per node and
 ``devices % sp_size == 0`` an SP group never leaves a node - its all-to-alls stay on the
 fast intra-node links. The DP groups are the strided columns.
+
+It is also the one home of the sequence split: each SP rank holds ``chunk = ceil(S / sp_size)``
+consecutive tokens in rank order, and the last rank holds the rest (fewer when ``S`` is not
+divisible by ``sp_size``). The functions below work on ints, SymInts and sympy expressions
+alike, so the collectives, the SP pass and the strategy all use them.
 """
 
 from __future__ import annotations
@@ -35,6 +40,44 @@ class SPLayout:
 
     def all_sp_groups(self) -> list[list[int]]:
         return [list(range(k * self.sp_size, (k + 1) * self.sp_size)) for k in range(self.dp_size)]
+
+
+def chunk_size(seq_len, sp_size: int):
+    """Tokens held by every SP rank but the last: ``ceil(seq_len / sp_size)``."""
+    return (seq_len + sp_size - 1) // sp_size
+
+
+def shard_window(sp_rank: int, sp_size: int, chunk, length, offset=0):
+    """``(start, count)``: the positions of a sequence axis that SP rank ``sp_rank`` holds.
+
+    The axis is a window of the base sequence: it has ``length`` positions and its position 0
+    is base position ``offset`` (``logits[:, :-1]``: ``length=S-1``, ``offset=0``;
+    ``labels[:, 1:]``: ``length=S-1``, ``offset=1``). Rank ``r`` holds the positions that fall
+    in its base chunk ``[r*chunk, (r+1)*chunk)``, so a shift only takes positions from the
+    first and the last rank; no position moves to another rank.
+    """
+    start = 0 if sp_rank == 0 else sp_rank * chunk - offset
+    stop = length if sp_rank == sp_size - 1 else (sp_rank + 1) * chunk - offset
+    return start, stop - start
+
+
+def seq_split_sizes(seq_len, sp_size: int) -> list:
+    """Tokens held by each SP rank when ``seq_len`` tokens are split in rank order."""
+    chunk = chunk_size(seq_len, sp_size)
+    return [shard_window(r, sp_size, chunk, seq_len)[1] for r in range(sp_size)]
+
+
+def check_sequence_fits(seq_len: int, sp_size: int, shift: int = 0) -> None:
+    """Raise a ``ValueError`` unless the last SP rank (which holds the fewest tokens) holds more
+    than ``shift`` of them; ``shift`` is the largest slice of the sequence the model takes
+    (``logits[:, :-1]``: 1), which only the first and the last rank absorb."""
+    fewest = seq_split_sizes(seq_len, sp_size)[-1]
+    if fewest <= shift:
+        raise ValueError(
+            f"AutoSPStrategy: a sequence of {seq_len} tokens split over sp_size={sp_size} ranks leaves the "
+            f"last rank {fewest} token(s); it needs more than {shift} (the model slices the sequence by {shift}). "
+            "Use longer sequences or a smaller sp_size."
+        )
 
 
 def validate_sp_size(sp_size: int | None) -> None:

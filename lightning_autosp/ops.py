@@ -5,7 +5,7 @@ arguments, so graphs that call them can be built and traced (fake kernels) with 
 group at all, and the FX graph cache keys stay free of Python objects.
 
 Backward of every op is its exact adjoint, which is what makes the SP rewrite produce the
-same gradients as one device (see ``docs/design`` in the README):
+same gradients as one device:
 
 ==================  ==========================  ===============================
 op                  forward                     backward
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from lightning_autosp._compat import reduce_scatter_single
+from lightning_autosp.layout import seq_split_sizes
 
 __all__ = ["all_to_all", "all_reduce", "all_gather", "reduce_scatter"]
 
@@ -39,13 +40,6 @@ def _group(group_name: str) -> dist.ProcessGroup:
 
 
 # --------------------------------------------------------------------------- all_to_all
-def seq_split_sizes(seq_len, group_size: int) -> list:
-    """Tokens held by each SP rank when ``seq_len`` tokens are split in rank order: every
-    rank holds ``ceil(seq_len / P)`` except the last, which holds the rest."""
-    chunk = (seq_len + group_size - 1) // group_size
-    return [chunk] * (group_size - 1) + [seq_len - (group_size - 1) * chunk]
-
-
 @torch.library.custom_op(f"{_NS}::all_to_all", mutates_args=())
 def all_to_all(
     x: torch.Tensor,
@@ -63,7 +57,7 @@ def all_to_all(
     Ulysses uses it as ``[B, H, S/P, D] -> [B, H/P, S, D]`` (scatter heads, gather sequence)
     before attention and the reverse after it. With ``seq_len`` given, the sequence dim
     ``seq_dim`` (``gather_dim`` before attention, ``scatter_dim`` after it) is split as
-    :func:`seq_split_sizes` says, so lengths need not be divisible by ``group_size``;
+    :func:`~lightning_autosp.layout.seq_split_sizes` says, so lengths need not be divisible by ``group_size``;
     ``rank`` is this rank's index in the group.
     """
     pg = _group(group_name)

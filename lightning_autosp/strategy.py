@@ -20,9 +20,8 @@ from typing_extensions import override
 from lightning_autosp._compat import graph_break_counter
 from lightning_autosp.backend import SUPPORTED_BACKENDS, AutoSPBackend
 from lightning_autosp.errors import AutoSPError
-from lightning_autosp.layout import SPLayout, validate_layout, validate_sp_size
+from lightning_autosp.layout import SPLayout, check_sequence_fits, validate_layout, validate_sp_size
 from lightning_autosp.passes.sac import SACConfig
-from lightning_autosp.ops import seq_split_sizes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -232,15 +231,9 @@ class AutoSPStrategy(DDPStrategy):
         if not leaves:
             return
         seq_len = leaves[0].shape[self.seq_dim]
+        # The shift is known once the step has compiled; the pass checks the first batch itself.
         backend = self._backends.get(step)
-        shift = backend.max_shift if backend is not None else 0
-        fewest = seq_split_sizes(seq_len, self.sp_size)[-1]  # the last SP rank holds the fewest tokens
-        if fewest <= shift:
-            raise ValueError(
-                f"AutoSPStrategy: a sequence of {seq_len} tokens split over sp_size={self.sp_size} ranks leaves the "
-                f"last rank {fewest} token(s); it needs more than {shift} (the model slices the sequence by {shift}). "
-                "Use longer sequences or a smaller sp_size."
-            )
+        check_sequence_fits(seq_len, self.sp_size, backend.max_shift if backend is not None else 0)
         for t in leaves:
             for d in range(1, t.dim()):
                 if t.shape[d] == seq_len:

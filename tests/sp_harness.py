@@ -341,7 +341,7 @@ def spawn(tmp_path: Path, fn: Callable, world: int, *args: Any) -> list[Any]:
 def naive_reference_fn(model_factory: Callable, loss_fn: Callable, run: "Run", sp_size: int, lr: float = 0.1):
     """The negative control on one device: each SP rank's slice of the sequence on its own
     (every dim of size S sliced, masks included), losses averaged - sharding without the pass."""
-    from lightning_autosp.ops import seq_split_sizes
+    from lightning_autosp.layout import seq_split_sizes
 
     def chunks(batch):
         S = batch["input_ids"].shape[1]
