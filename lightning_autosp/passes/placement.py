@@ -1,8 +1,9 @@
 """Sequence placements of tensors in a Dynamo (torch IR) graph, and the size algebra they need.
 
-Vocabulary: ``s`` is the global sequence length (a SymInt symbol in the graph), ``P`` is
-``sp_size``, ``c = ceil(s / P)`` is the base chunk each SP rank owns (the last rank owns
-``s - (P-1)*c``, fewer when ``s`` is not divisible by ``P``), "dim" is a tensor dim.
+Vocabulary: ``s`` is the global sequence length (a SymInt symbol in the graph), ``c =
+ceil(s / sp_size)`` is the base chunk each SP rank owns (the last rank owns ``s - (sp_size-1)*c``,
+fewer when ``s`` is not divisible by ``sp_size``; :mod:`lightning_autosp.layout` holds this
+arithmetic), "dim" is a tensor dim.
 
 A tensor is either
 
@@ -29,7 +30,9 @@ import torch
 import torch.fx as fx
 from torch.utils._sympy.functions import FloorDiv
 
-__all__ = ["Replicate", "REPLICATE", "Shard", "Placement", "SizeEmitter", "shape_exprs"]
+from lightning_autosp.layout import chunk_size
+
+__all__ = ["Replicate", "REPLICATE", "Shard", "SizeEmitter", "shape_exprs", "is_polynomial_quotient", "is_tensor", "norm_dim"]
 
 
 class Replicate:
@@ -74,19 +77,18 @@ class Shard:
         )
 
 
-Placement = Union[Replicate, Shard, None, tuple]
+def is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    """A tensor dim as a non-negative index."""
+    return dim + ndim if dim < 0 else dim
 
 
 def shape_exprs(t: torch.Tensor) -> list[sympy.Expr]:
     """Global sizes of a fake tensor as sympy expressions."""
     return [d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(int(d)) for d in t.shape]
-
-
-def _prod(xs) -> sympy.Expr:
-    out = sympy.Integer(1)
-    for x in xs:
-        out = out * x
-    return out
 
 
 def is_polynomial_quotient(num: sympy.Expr, den: sympy.Expr) -> sympy.Expr | None:
@@ -101,7 +103,8 @@ def is_polynomial_quotient(num: sympy.Expr, den: sympy.Expr) -> sympy.Expr | Non
 class SizeEmitter:
     """Turns size expressions into FX values (ints or nodes) in the graph being built.
 
-    ``chunk`` (the symbol of the base chunk ``c = ceil(s / P)``) maps to ``(s + P - 1) // P``;
+    ``chunk`` (the symbol of the base chunk ``c``) maps to a call of
+    :func:`~lightning_autosp.layout.chunk_size` on the sequence length;
     the global sequence symbol and every other shape symbol map to a SymInt placeholder or to
     a ``size()`` call on a placeholder.
     """
@@ -126,8 +129,7 @@ class SizeEmitter:
     def _emit(self, expr: sympy.Expr) -> fx.Node:
         g = self.graph
         if expr == self.chunk:
-            s_plus = g.call_function(operator.add, (self.emit(self.seq), self.sp_size - 1))
-            return g.call_function(operator.floordiv, (s_plus, self.sp_size))
+            return g.call_function(chunk_size, (self.emit(self.seq), self.sp_size))
         if isinstance(expr, sympy.Symbol):
             if expr not in self.sources:
                 raise KeyError(f"no graph value provides the size symbol {expr}")

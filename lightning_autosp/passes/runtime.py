@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from lightning_autosp import ops
 
 
-def _is(v, k: int) -> bool:
+def _is_static(v, k: int) -> bool:
+    """``v`` is the plain int ``k`` (not a SymInt that may take other values)."""
     return isinstance(v, int) and v == k
 
 
@@ -24,25 +25,25 @@ def shard_slice(x: torch.Tensor, dim: int, outer, seq_len, inner, start, length)
 
     ``x.shape[dim]`` is ``outer * seq_len * inner`` (global sizes).
     """
-    if _is(outer, 1) and _is(inner, 1):
+    if _is_static(outer, 1) and _is_static(inner, 1):
         return x.narrow(dim, start, length).contiguous()
     y = x.unflatten(dim, (outer, seq_len, inner))  # [.., outer, seq, inner, ..]
     return y.narrow(dim + 1, start, length).flatten(dim, dim + 2)  # [.., outer*length*inner, ..]
 
 
-def sizes(*dims):
+def global_sizes(*dims):
     """``x.size()`` of a sharded tensor, with the global sequence length."""
     return tuple(dims)
 
 
 def _pad_dim(x: torch.Tensor, dim: int, left, right) -> torch.Tensor:
     parts = []
-    if not (isinstance(left, int) and left == 0):
+    if not _is_static(left, 0):
         shape = list(x.shape)
         shape[dim] = left
         parts.append(x.new_zeros(shape))
     parts.append(x)
-    if not (isinstance(right, int) and right == 0):
+    if not _is_static(right, 0):
         shape = list(x.shape)
         shape[dim] = right
         parts.append(x.new_zeros(shape))
@@ -59,7 +60,7 @@ def shard_gather(
     first/last rank of a tensor sliced on the sequence), then the chunks are gathered in
     rank order and the ``[off, off + length)`` window of the base sequence is cut out.
     """
-    if _is(outer, 1) and _is(inner, 1):
+    if _is_static(outer, 1) and _is_static(inner, 1):
         y = _pad_dim(x, dim, left_pad, right_pad)  # [.., c, ..]
         return ops.all_gather(y, dim, group_name, group_size).narrow(dim, off, length)  # [.., length, ..]
     y = x.unflatten(dim, (outer, -1, inner))  # [.., outer, len_r, inner, ..]

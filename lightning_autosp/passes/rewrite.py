@@ -1,0 +1,129 @@
+"""The state of one run of the SP pass: the old graph, the graph being built, placements.
+
+:class:`SPRewrite` is what every rule receives (:mod:`.sp_rules`): queries on the old,
+single-device graph (shapes are global), the new graph with helpers to build it, and the
+:class:`~.redistribute.Redistributor` that moves values between placements. The driver
+(:mod:`.sequence_parallel`) fills it node by node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import sympy
+import torch
+import torch.fx as fx
+
+from lightning_autosp.passes.placement import REPLICATE, Shard, is_tensor, shape_exprs
+from lightning_autosp.passes.redistribute import Redistributor
+
+__all__ = ["SPRewrite", "SPPassStats"]
+
+
+@dataclass
+class SPPassStats:
+    """What the pass did to one graph (also stored as ``gm.meta["autosp"]``)."""
+
+    sdpa: int = 0
+    all_to_all: int = 0
+    fallbacks: list[str] = field(default_factory=list)
+    seq_symbol: Optional[str] = None
+    #: largest static shift of the sequence seen (``x[:, k:]``); the local chunk must be longer.
+    max_shift: int = 0
+
+
+class SPRewrite:
+    """One run of the pass over one graph: what the rules read and build.
+
+    The old (single-device) graph is read-only; for every old node the driver records its value
+    in the new graph (:attr:`new_value`) and its placement (:attr:`placements`). Shapes are
+    always those of the old graph (global sizes).
+    """
+
+    def __init__(self, gm: fx.GraphModule, sp_size: int, sp_rank: int, group_name: str, seq: sympy.Symbol):
+        self.gm = gm
+        self.sp_size = sp_size
+        self.sp_rank = sp_rank
+        self.group_name = group_name
+        self.seq = seq
+        self.graph = fx.Graph()
+        self.new_value: dict[fx.Node, Any] = {}
+        self.placements: dict[fx.Node, Any] = {}
+        self.stats = SPPassStats(seq_symbol=str(seq))
+        self.redistribute = Redistributor(
+            self.graph, self.new_value, self.placements, self._size_sources(), seq, sp_size, sp_rank, group_name
+        )
+
+    def _size_sources(self) -> dict[sympy.Symbol, Callable[[], fx.Node]]:
+        """For every size symbol of the inputs: how to read it in the new graph."""
+        sources: dict[sympy.Symbol, Callable[[], fx.Node]] = {}
+        for node in self.gm.graph.find_nodes(op="placeholder"):
+            val = node.meta.get("example_value")
+            if isinstance(val, torch.SymInt) and isinstance(val.node.expr, sympy.Symbol):
+                sources.setdefault(val.node.expr, lambda n=node: self.new_value[n])
+        for node in self.gm.graph.find_nodes(op="placeholder"):
+            val = node.meta.get("example_value")
+            if is_tensor(val):
+                for d, e in enumerate(shape_exprs(val)):
+                    if isinstance(e, sympy.Symbol) and e not in sources:
+                        sources[e] = lambda n=node, d=d: self.graph.call_method("size", (self.new_value[n], d))
+        return sources
+
+    # ------------------------------------------------------------- the old graph
+    @staticmethod
+    def val(node: Any) -> Any:
+        """The example value Dynamo recorded for an old node (a fake tensor, a SymInt...)."""
+        return node.meta.get("example_value") if isinstance(node, fx.Node) else node
+
+    def shape(self, node: fx.Node) -> list[sympy.Expr]:
+        return shape_exprs(self.val(node))
+
+    def is_shard(self, node: Any) -> bool:
+        return isinstance(node, fx.Node) and isinstance(self.placements.get(node), Shard)
+
+    def seq_dims(self, node: fx.Node) -> list[int]:
+        """The dims of ``node`` whose size is the global sequence length."""
+        return [d for d, e in enumerate(self.shape(node)) if e == self.seq]
+
+    def tensor_inputs(self, node: fx.Node) -> list[fx.Node]:
+        out: list[fx.Node] = []
+        fx.map_arg((node.args, node.kwargs), lambda n: out.append(n) if is_tensor(self.val(n)) else None)
+        return out
+
+    def base_shard(self, dim: int) -> Shard:
+        """The placement of an unsliced activation with its sequence in ``dim``."""
+        return Shard(dim, self.seq)
+
+    def replicated_placement(self, node: fx.Node) -> Any:
+        val = self.val(node)
+        if is_tensor(val):
+            return REPLICATE
+        if isinstance(val, (tuple, list)):
+            return tuple(REPLICATE if is_tensor(x) else None for x in val)
+        return None
+
+    # ------------------------------------------------------------- the new graph
+    def new(self, node: Any) -> Any:
+        """The new-graph value of an old node as it is (sharded or not); other values unchanged."""
+        return fx.map_arg(node, self.new_value.__getitem__)
+
+    def emit(self, expr: Any) -> Any:
+        return self.redistribute.emit(expr)
+
+    def copy(self, node: fx.Node, args: Any = None, kwargs: Any = None, target: Any = None) -> fx.Node:
+        """``node`` in the new graph, with its args mapped as they are (or the given ones)."""
+        args = self.new(node.args) if args is None else args
+        kwargs = self.new(node.kwargs) if kwargs is None else kwargs
+        new = self.graph.create_node(
+            node.op, node.target if target is None else target, tuple(args), dict(kwargs), name=node.name
+        )
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in node.meta:
+                new.meta[key] = node.meta[key]
+        return new
+
+    def record(self, node: fx.Node, new_value: Any, placement: Any) -> None:
+        """Old ``node`` is ``new_value`` in the new graph, with ``placement``."""
+        self.new_value[node] = new_value
+        self.placements[node] = placement

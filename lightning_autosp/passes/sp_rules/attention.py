@@ -1,0 +1,119 @@
+"""The Ulysses rule for ``F.scaled_dot_product_attention``.
+
+q, k, v arrive sharded on the sequence (``[B, H, S/P, D]`` with ``P = sp_size``); an
+all-to-all each makes them sharded on heads with the full sequence (``[B, H/P, S, D]``),
+attention runs unchanged for this rank's heads (``is_causal`` or the full mask), and one
+all-to-all takes the output back to ``[B, H, S/P, D]``. KV heads that do not divide by
+``sp_size`` (GQA/MQA) are repeated first so that every rank receives the ones its query heads
+read.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from lightning_autosp.errors import AutoSPError
+from lightning_autosp.passes.sp_rules.registry import OpCall, RuleResult, op, sp_rule
+
+if TYPE_CHECKING:
+    from lightning_autosp.passes.rewrite import SPRewrite
+
+SDPA = F.scaled_dot_product_attention
+ALL_TO_ALL = torch.ops.autosp.all_to_all.default
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def valid_sp_sizes(heads: int) -> list[int]:
+    return [d for d in range(1, heads + 1) if heads % d == 0]
+
+
+def _kv_repeat(node: fx.Node, heads: int, kv_heads: int, sp_size: int, gqa: bool) -> int:
+    """How often to repeat each KV head so that they split over ``sp_size`` like the query's."""
+    if kv_heads % sp_size == 0:
+        return 1
+    if not gqa or heads % kv_heads:
+        raise AutoSPError(
+            f"{node.name}: key/value have {kv_heads} heads and query {heads} without enable_gqa=True; "
+            f"they must match or divide by sp_size={sp_size}."
+        )
+    return sp_size // kv_heads if sp_size % kv_heads == 0 else heads // kv_heads
+
+
+def _sequence_local(rw: "SPRewrite", node: fx.Node, n: fx.Node, seq_dim: int) -> fx.Node:
+    """q, k or v as this rank's ``[B, H, S/P, D]`` shard."""
+    shard = rw.placements.get(n)
+    if not rw.is_shard(n):
+        if seq_dim not in rw.seq_dims(n):
+            raise AutoSPError(
+                f"{node.name}: {n.name} has shape {list(rw.shape(n))} with no sequence dim at "
+                f"dim {seq_dim}; AutoSP expects SDPA inputs laid out as [B, H, S, D]."
+            )
+        return rw.redistribute.to_shard(n, rw.base_shard(seq_dim))
+    if shard.dim != seq_dim or shard.inner != 1 or shard.off != 0 or sympy.simplify(shard.length - rw.seq) != 0:
+        raise AutoSPError(
+            f"{node.name}: {n.name} (shape {list(rw.shape(n))}) reaches attention sharded as {shard}; "
+            f"AutoSP expects the full sequence in dim {seq_dim} of a [B, H, S, D] layout."
+        )
+    return rw.new_value[n]
+
+
+@sp_rule(op("scaled_dot_product_attention", SDPA, method=False), source=True)
+def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
+    bound = dict(zip(_SDPA_ARGS, node.args))
+    bound.update(node.kwargs)
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    ndim = rw.val(q).dim()
+    if ndim < 3:
+        raise AutoSPError(f"{node.name}: scaled_dot_product_attention with {ndim}-D inputs has no head dim to split")
+    seq_dim, head_dim = ndim - 2, ndim - 3
+    heads, kv_heads = rw.shape(q)[head_dim], rw.shape(k)[head_dim]
+    if not (heads.is_Integer and kv_heads.is_Integer):
+        raise AutoSPError(
+            f"{node.name}: attention heads must be static, got q {list(rw.shape(q))}, k {list(rw.shape(k))}"
+        )
+    heads, kv_heads = int(heads), int(kv_heads)
+    if heads % rw.sp_size:
+        raise AutoSPError(
+            f"{node.name}: the query has {heads} attention heads (shape {list(rw.shape(q))}), not divisible by "
+            f"sp_size={rw.sp_size}. Ulysses splits the heads across the SP group; valid sp_size values for this "
+            f"model: {valid_sp_sizes(heads)}."
+        )
+    kv_repeat = _kv_repeat(node, heads, kv_heads, rw.sp_size, bool(bound.get("enable_gqa", False)))
+    seq_len = rw.emit(rw.seq)
+    group = (rw.group_name, rw.sp_size, seq_len, seq_dim, rw.sp_rank)
+    qkv = []
+    for n in (q, k, v):
+        local = _sequence_local(rw, node, n, seq_dim)
+        if n is not q and kv_repeat > 1:  # [B, Hk, S/P, D] -> [B, Hk*kv_repeat, S/P, D]
+            local = rw.graph.call_function(torch.repeat_interleave, (local, kv_repeat), {"dim": head_dim})
+        # [B, H, S/P, D] -> [B, H/P, S, D]
+        qkv.append(rw.graph.call_function(ALL_TO_ALL, (local, head_dim, seq_dim, *group)))
+        rw.stats.all_to_all += 1
+    kwargs = {key: bound[key] for key in _SDPA_ARGS[3:] if key in bound}
+    if kv_repeat > 1 and kv_heads * kv_repeat == heads:
+        kwargs["enable_gqa"] = False
+    mask = kwargs.get("attn_mask")
+    if isinstance(mask, fx.Node):
+        full_mask = rw.redistribute.to_replicate(mask)
+        mask_shape = rw.shape(mask)
+        if len(mask_shape) == ndim and mask_shape[head_dim] != 1:  # a mask per head: keep this rank's heads
+            if mask_shape[head_dim] != heads:
+                raise AutoSPError(
+                    f"{node.name}: attn_mask shape {list(mask_shape)} has {mask_shape[head_dim]} heads, the query {heads}"
+                )
+            per_rank = heads // rw.sp_size
+            # [B, H, S, S] -> [B, H/P, S, S]
+            full_mask = rw.graph.call_function(torch.narrow, (full_mask, head_dim, rw.sp_rank * per_rank, per_rank))
+        kwargs["attn_mask"] = full_mask
+    kwargs = {key: (rw.new_value[a] if isinstance(a, fx.Node) and key != "attn_mask" else a) for key, a in kwargs.items()}
+    out = rw.graph.call_function(SDPA, tuple(qkv), kwargs)  # [B, H/P, S, D]
+    # [B, H/P, S, D] -> [B, H, S/P, D]
+    back = rw.graph.call_function(ALL_TO_ALL, (out, seq_dim, head_dim, *group))
+    rw.stats.all_to_all += 1
+    rw.stats.sdpa += 1
+    return back, rw.base_shard(seq_dim)

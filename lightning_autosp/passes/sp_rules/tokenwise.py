@@ -1,0 +1,104 @@
+"""Rules for token-wise ops - each token's output depends on that token alone - and for ops
+along one non-sequence dim.
+
+Embedding, linear/matmul and norms are where activations become sequence-sharded: given a
+replicated input with a sequence dim, they slice it to this rank's tokens first (they are the
+``source`` rules), so the heavy compute after them runs on ``S / sp_size`` tokens.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from lightning_autosp.passes.placement import Shard, is_tensor, norm_dim
+from lightning_autosp.passes.sp_rules.registry import OpCall, RuleResult, op, sp_rule
+
+if TYPE_CHECKING:
+    from lightning_autosp.passes.rewrite import SPRewrite
+
+
+def _source_shard(rw: "SPRewrite", x: fx.Node, forbidden: Sequence[int]) -> Optional[Shard]:
+    """The shard of a replicated input of a token-wise op: on its (single) sequence dim."""
+    dims = rw.seq_dims(x)
+    ndim = rw.val(x).dim()
+    if len(dims) != 1 or dims[0] in {norm_dim(f, ndim) for f in forbidden}:
+        return None
+    return rw.base_shard(dims[0])
+
+
+def _tokenwise(rw: "SPRewrite", node: fx.Node, forbidden: Sequence[int], out_dim: Callable[[int], int]) -> RuleResult:
+    """An op on ``node.args[0]`` that is token-wise except along the ``forbidden`` dims (which
+    it mixes, e.g. a linear's features); the other tensor arguments (weights) are replicated."""
+    x = node.args[0]
+    others = rw.tensor_inputs(node)[1:]
+    if any(rw.is_shard(n) for n in others if n is not x):
+        return None
+    shard = rw.placements[x]
+    ndim = rw.val(x).dim()
+    if isinstance(shard, Shard):
+        if shard.dim in {norm_dim(f, ndim) for f in forbidden}:
+            return None
+        new_x = rw.new_value[x]
+    else:
+        shard = _source_shard(rw, x, forbidden)
+        if shard is None:  # no sequence dim: stays replicated
+            return rw.copy(node), rw.replicated_placement(node)
+        new_x = rw.redistribute.to_shard(x, shard)
+    args = (new_x, *rw.new(node.args[1:]))
+    return rw.copy(node, args), shard.with_dim(out_dim(shard.dim))
+
+
+def _same_dim(dim: int) -> int:
+    return dim
+
+
+@sp_rule(op("linear", F.linear, method=False), source=True)
+def linear(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
+    return _tokenwise(rw, node, forbidden=(-1,), out_dim=_same_dim)
+
+
+@sp_rule(op("matmul", torch.matmul, operator.matmul), source=True)
+def matmul(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
+    """``x @ w`` with ``w`` a replicated ``[in, out]`` matrix: token-wise, like linear."""
+    w = node.args[1]
+    if node.kwargs or not (is_tensor(rw.val(w)) and rw.val(w).dim() == 2 and not rw.seq_dims(w)):
+        return None
+    return _tokenwise(rw, node, forbidden=(-1,), out_dim=_same_dim)
+
+
+@sp_rule(
+    op("layer_norm", F.layer_norm, method=False), op("rms_norm", F.rms_norm, method=False),
+    op("group_norm", F.group_norm, method=False), source=True,
+)
+def norm(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
+    """Norms over the trailing ``normalized_shape`` dims (group norm mixes channels and the
+    sequence: it runs replicated)."""
+    if call.name == "group_norm":
+        return None
+    shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
+    k = len(shape) if isinstance(shape, (tuple, list)) else 1
+    return _tokenwise(rw, node, forbidden=tuple(range(-k, 0)), out_dim=_same_dim)
+
+
+@sp_rule(op("embedding", F.embedding, method=False), source=True)
+def embedding(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
+    return _tokenwise(rw, node, forbidden=(), out_dim=_same_dim)
+
+
+@sp_rule(
+    op("softmax", F.softmax, torch.softmax), op("log_softmax", F.log_softmax, torch.log_softmax),
+    op("cumsum", torch.cumsum),
+)
+def along_dim(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
+    """Shape-preserving ops along one dim: local when that dim is not the sequence."""
+    x = node.args[0]
+    shard = rw.placements[x]
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    if not isinstance(shard, Shard) or not isinstance(dim, int) or norm_dim(dim, rw.val(x).dim()) == shard.dim:
+        return None
+    return rw.copy(node), shard
