@@ -108,6 +108,7 @@ def token_loss(
     if weight is None:
         denom = valid.sum().to(total.dtype)
     else:
-        denom = (weight[target.clamp(min=0)] * valid).sum().to(total.dtype)
+        # ignore_index need not be a class (e.g. -100 or num_classes): look up a valid class there
+        denom = (weight[target.masked_fill(~valid, 0)] * valid).sum().to(total.dtype)
     both = ops.all_reduce(torch.stack([total, denom]), group_name, group_size)  # [2]
     return both[0] / both[1]

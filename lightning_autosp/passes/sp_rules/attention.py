@@ -101,14 +101,15 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     if isinstance(mask, fx.Node):
         full_mask = rw.redistribute.to_replicate(mask)
         mask_shape = rw.shape(mask)
-        if len(mask_shape) == ndim and mask_shape[head_dim] != 1:  # a mask per head: keep this rank's heads
-            if mask_shape[head_dim] != heads:
+        mask_head_dim = head_dim - (ndim - len(mask_shape))  # masks broadcast from the right: [B, H, S, S], [H, S, S]
+        if mask_head_dim >= 0 and mask_shape[mask_head_dim] != 1:  # a mask per head: keep this rank's heads
+            if mask_shape[mask_head_dim] != heads:
                 raise AutoSPError(
-                    f"{node.name}: attn_mask shape {list(mask_shape)} has {mask_shape[head_dim]} heads, the query {heads}"
+                    f"{node.name}: attn_mask shape {list(mask_shape)} has {mask_shape[mask_head_dim]} heads, the query {heads}"
                 )
             per_rank = heads // rw.sp_size
-            # [B, H, S, S] -> [B, H/P, S, S]
-            full_mask = rw.graph.call_function(torch.narrow, (full_mask, head_dim, rw.sp_rank * per_rank, per_rank))
+            # [.., H, S, S] -> [.., H/P, S, S]
+            full_mask = rw.graph.call_function(torch.narrow, (full_mask, mask_head_dim, rw.sp_rank * per_rank, per_rank))
         kwargs["attn_mask"] = full_mask
     kwargs = {key: (rw.new_value[a] if isinstance(a, fx.Node) and key != "attn_mask" else a) for key, a in kwargs.items()}
     out = rw.graph.call_function(SDPA, tuple(qkv), kwargs)  # [B, H/P, S, D]

@@ -29,6 +29,19 @@ REDUCTIONS = tuple(
 )
 
 
+def _dim_and_keepdim(node: fx.Node, call: OpCall) -> tuple:
+    """``dim`` and ``keepdim`` of a reduction, positional or not. ``var``/``std`` take
+    ``unbiased`` before ``keepdim`` (``torch.var(x, dim, unbiased, keepdim)``), and
+    ``torch.var(x, unbiased)`` reduces every dim."""
+    args, kwargs = node.args, node.kwargs
+    keepdim_pos = 3 if call.name in ("var", "std") else 2
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if isinstance(dim, bool):  # var(x, unbiased) / std(x, unbiased)
+        dim = None
+    keepdim = kwargs.get("keepdim", args[keepdim_pos] if len(args) > keepdim_pos else False)
+    return dim, keepdim
+
+
 @sp_rule(*REDUCTIONS)
 def reduce(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     x = node.args[0]
@@ -36,8 +49,7 @@ def reduce(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     if not isinstance(shard, Shard) or len(rw.tensor_inputs(node)) != 1:
         return None
     ndim = rw.val(x).dim()
-    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-    keepdim = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+    dim, keepdim = _dim_and_keepdim(node, call)
     if not isinstance(keepdim, bool) or isinstance(dim, fx.Node):
         return None
     dims = None if dim is None else tuple(norm_dim(d, ndim) for d in ((dim,) if isinstance(dim, int) else dim))

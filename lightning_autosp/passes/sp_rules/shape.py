@@ -47,8 +47,8 @@ ELEMENTWISE_OPS = (
     op("leaky_relu", F.leaky_relu, method=False), op("elu", F.elu, method=False),
     op("hardtanh", F.hardtanh, method=False), op("relu6", F.relu6, method=False),
     # dtype, layout and copies
-    op("float"), op("half"), op("bfloat16"), op("double"), op("int"), op("long"), op("bool"), op("to"), op("type"),
-    op("type_as"), op("contiguous"), op("clone", torch.clone), op("detach"),
+    op("float"), op("half"), op("bfloat16"), op("double"), op("int"), op("long"), op("bool"), op("type"),
+    op("contiguous"), op("clone", torch.clone), op("detach"),
     # new tensors shaped like their input
     op("zeros_like", torch.zeros_like, method=False), op("ones_like", torch.ones_like, method=False),
     op("empty_like", torch.empty_like, method=False), op("full_like", torch.full_like, method=False),
@@ -90,6 +90,16 @@ def elementwise(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
         return rw.redistribute.to_shard(n, spec.with_dim(dim))
 
     return rw.copy(node, fx.map_arg(node.args, local), fx.map_arg(node.kwargs, local)), spec
+
+
+@sp_rule(op("to"), op("type_as"))
+def convert(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
+    """``x.to(other)``, ``x.type_as(other)``: only ``x``'s data flows; ``other`` (any shape, any
+    placement) lends its dtype and device, which its local value has too."""
+    x = node.args[0]
+    if not is_tensor(rw.val(node)):
+        return None
+    return rw.copy(node), rw.placements[x]
 
 
 def _map_reshape(in_shape: list, shard: Shard, out_shape: list) -> Optional[Shard]:

@@ -1,0 +1,75 @@
+"""Ordinary model code that once crashed inside the pass: a per-head 3-D attention bias,
+``type_as``/``to`` with a tensor of another shape, ``var``/``std`` with positional ``unbiased``,
+and a class-weighted loss whose ``ignore_index`` is not a class. Each runs under sp=2 and is
+compared with one device on loss and gradients, with the naive-sharding negative control."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from sp_harness import VOCAB, FnModule, TokenData, check_against_references, run_fit
+
+IGNORE = VOCAB + 3  # an ignore_index that is not a class
+
+
+class PatternLM(nn.Module):
+    def __init__(self, pattern: str, heads: int = 4, d: int = 32, layers: int = 2):
+        super().__init__()
+        torch.manual_seed(7)
+        self.pattern, self.h, self.hd = pattern, heads, d // heads
+        self.emb = nn.Embedding(VOCAB, d)
+        self.qkv = nn.ModuleList([nn.Linear(d, 3 * d) for _ in range(layers)])
+        self.o = nn.ModuleList([nn.Linear(d, d) for _ in range(layers)])
+        self.head = nn.Linear(d, VOCAB)
+        self.register_buffer("slopes", 2.0 ** -torch.arange(1, heads + 1, dtype=torch.float32))
+
+    def _bias(self, S: int, device) -> torch.Tensor:
+        """ALiBi: a float bias per head, [H, S, S], -inf above the diagonal."""
+        i = torch.arange(S, device=device)
+        dist = (i[:, None] - i[None, :]).float()  # [S, S]
+        bias = -self.slopes[:, None, None] * dist.abs()  # [H, S, S]
+        return bias.masked_fill(dist < 0, float("-inf"))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x, x.shape[-1:])
+        if self.pattern == "var_positional":  # torch.var(x, dim, unbiased, keepdim), x.std(dim, unbiased, keepdim)
+            var = torch.var(x, 0, True, False)  # over the batch: [S, d]
+            std = x.std(0, False, True)  # [1, S, d]
+            return normed * (1 + 0.1 * torch.tanh(var))[None] + 0.01 * std
+        return normed
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, S = idx.shape
+        x = self.emb(idx)  # [B, S, d]
+        if self.pattern == "to_other_shape":
+            x = x.type_as(self.head.weight)  # reference of another shape: only its dtype counts
+            pos = torch.arange(S, device=idx.device).to(x) / S  # [S], converted like x
+            x = x + pos[None, :, None]
+        bias = self._bias(S, idx.device) if self.pattern == "alibi_hss" else None
+        for qkv, o in zip(self.qkv, self.o):
+            q, k, v = qkv(self._norm(x)).view(B, S, 3 * self.h, self.hd).transpose(1, 2).chunk(3, dim=1)  # [B, H, S, D]
+            if bias is None:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            x = x + o(y.transpose(1, 2).reshape(B, S, -1))
+        return self.head(self._norm(x))
+
+
+def pattern_loss(model: PatternLM, batch) -> torch.Tensor:
+    logits = model(batch["input_ids"])
+    labels = batch["labels"]
+    if model.pattern == "weighted_ignore_not_a_class":
+        labels = labels.masked_fill(labels == -100, IGNORE)
+        weight = torch.linspace(0.5, 1.5, VOCAB, device=logits.device)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), weight=weight, ignore_index=IGNORE)
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("pattern", ["alibi_hss", "to_other_shape", "var_positional", "weighted_ignore_not_a_class"])
+def test_pattern_matches_one_device(tmp_path, pattern):
+    factory = lambda: PatternLM(pattern)  # noqa: E731
+    run = run_fit(tmp_path, FnModule(factory, pattern_loss), TokenData(8, 24), devices=2, sp_size=2)
+    loss_err, grad_err, naive = check_against_references(run, 2, factory, pattern_loss)
+    graphs = run.ranks[0]["graphs"]["training_step"]
+    assert sum(g.sdpa for g in graphs) == 2 and all(not g.fallbacks for g in graphs)
