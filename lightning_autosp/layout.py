@@ -41,6 +41,9 @@ class SPLayout:
     def all_sp_groups(self) -> list[list[int]]:
         return [list(range(k * self.sp_size, (k + 1) * self.sp_size)) for k in range(self.dp_size)]
 
+    def all_dp_groups(self) -> list[list[int]]:
+        return [list(range(j, self.world_size, self.sp_size)) for j in range(self.sp_size)]
+
 
 def chunk_size(seq_len, sp_size: int):
     """Tokens held by every SP rank but the last: ``ceil(seq_len / sp_size)``."""

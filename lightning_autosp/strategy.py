@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_autosp._compat import graph_break_counter
 from lightning_autosp.backend import SUPPORTED_BACKENDS, AutoSPBackend
+from lightning_autosp.batch_agreement import check_sp_batch_agreement
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.layout import SPLayout, check_sequence_fits, validate_layout, validate_sp_size
 from lightning_autosp.passes.sac import SACConfig
@@ -175,10 +176,17 @@ class AutoSPStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         layout = self._validate_layout()
         super().setup_environment()
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
 
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, (layout.dp_size, layout.sp_size), mesh_dim_names=("dp", "sp")
+        # The subgroups get the user's `timeout` (a DeviceMesh would create them with the
+        # backend's default: 30 min on gloo, 10 min on NCCL). Every rank creates every group.
+        sp_group, _ = dist.new_subgroups_by_enumeration(layout.all_sp_groups(), timeout=self._timeout)
+        dp_group, _ = dist.new_subgroups_by_enumeration(layout.all_dp_groups(), timeout=self._timeout)
+        self._device_mesh = DeviceMesh.from_group(
+            [dp_group, sp_group],
+            self.root_device.type,
+            mesh=torch.arange(layout.world_size).view(layout.dp_size, layout.sp_size),  # [dp, sp]
+            mesh_dim_names=("dp", "sp"),
         )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -222,12 +230,15 @@ class AutoSPStrategy(DDPStrategy):
         super().teardown()
 
     def _prepare_batch(self, batch: Any, step: str) -> None:
-        """Check the sequence length and mark it dynamic, so one compile serves every length.
+        """Check that the SP group agrees on the batch and that the sequence fits, and mark the
+        sequence dim dynamic, so one compile serves every length.
 
         Every dim (after the batch dim) of the batch's tensors whose size equals the sequence
         length is marked: token ids and labels ``[B, S]``, masks ``[B, 1, S, S]``.
         """
-        leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > self.seq_dim]
+        tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+        check_sp_batch_agreement(tensors, self.sp_group, self.sp_size, self.root_device, step)
+        leaves = [t for t in tensors if t.dim() > self.seq_dim]
         if not leaves:
             return
         seq_len = leaves[0].shape[self.seq_dim]

@@ -1,0 +1,64 @@
+"""What must never be silent or hang: SP ranks that see different batches, and collectives
+on the SP/DP subgroups that would wait longer than the user's ``timeout``."""
+
+from datetime import timedelta
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from sp_harness import LMModule, TokenData, free_port, run_fit
+
+from lightning_autosp import AutoSPStrategy
+
+
+class RankDependentData(TokenData):
+    """Random masking drawn per rank - what DataLoader workers seeded by the global rank do."""
+
+    def __init__(self, n, seq_len, per_rank: bool):
+        super().__init__(n, seq_len)
+        self.per_rank = per_rank
+
+    def __getitem__(self, i):
+        item = dict(super().__getitem__(i))
+        seed = 1000 * (dist.get_rank() if self.per_rank and dist.is_initialized() else 0) + i
+        keep = torch.rand(item["input_ids"].shape, generator=torch.Generator().manual_seed(seed)) > 0.1
+        item["input_ids"] = item["input_ids"] * keep  # token 0 as the mask token
+        return item
+
+
+def test_sp_ranks_with_different_batches_are_stopped(tmp_path):
+    with pytest.raises(Exception, match=r"ranks of an SP group received different batches in `training_step`"):
+        run_fit(tmp_path, LMModule("gpt"), RankDependentData(8, 16, per_rank=True), devices=2, sp_size=2, steps=1)
+
+
+def test_sp_ranks_with_the_same_random_batches_train(tmp_path):
+    """Negative control: the same randomness on every rank (seeded by the sample) passes the check."""
+    run = run_fit(tmp_path, LMModule("gpt"), RankDependentData(8, 16, per_rank=False), devices=2, sp_size=2, steps=1)
+    assert len(run.ranks[0]["losses"]) == 1
+
+
+class TimeoutProbe(L.Callback):
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+
+    def on_fit_start(self, trainer, pl_module):
+        st = trainer.strategy
+        seconds = {
+            name: group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for name, group in (("sp", st.sp_group), ("dp", st.dp_group))
+        }
+        torch.save(seconds, f"{self.out_dir}/rank{trainer.global_rank}.pt")
+
+
+def test_user_timeout_applies_to_sp_and_dp_groups(tmp_path, monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    strategy = AutoSPStrategy(sp_size=2, compile_backend="aot_eager", start_method="fork", timeout=timedelta(seconds=123))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[TimeoutProbe(str(tmp_path))],
+    )
+    trainer.fit(LMModule("gpt"), torch.utils.data.DataLoader(TokenData(8, 16), batch_size=2))
+    for rank in range(4):
+        # the backend default would be 1800 s (gloo)
+        assert torch.load(tmp_path / f"rank{rank}.pt") == {"sp": 123.0, "dp": 123.0}
