@@ -25,6 +25,19 @@ def test_matches_single_device(tmp_path, kind, devices, sp_size):
     assert sum(g.sdpa for g in graphs) == 2 and all(not g.fallbacks for g in graphs)
 
 
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_default_configuration_matches_single_device(tmp_path, kind):
+    """What users run by default: compile_backend="inductor" with SAC on (the other tests use
+    aot_eager, also with SAC on, to compile faster)."""
+    run = run_fit(tmp_path, LMModule(kind), TokenData(16, 32), devices=2, sp_size=2, backend="inductor")
+    ref_losses, ref_grads = reference(kind, run, 2)
+    loss_err, grad_err = compare(run, 2, ref_losses, ref_grads)
+    print(f"{kind} inductor+SAC sp=2: loss rel err {loss_err:.2e}, grad rel err {grad_err:.2e}")
+    assert loss_err <= TOL and grad_err <= TOL
+    graphs = run.ranks[0]["graphs"]["training_step"]
+    assert sum(g.sdpa for g in graphs) == 2 and all(not g.fallbacks for g in graphs)
+
+
 def test_sp_groups_contiguous_and_sampling(tmp_path):
     run = run_fit(tmp_path, LMModule("gpt"), TokenData(16, 32), devices=4, sp_size=2)
     assert [r["sp_group"] for r in run.ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
