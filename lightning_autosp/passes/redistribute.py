@@ -9,7 +9,7 @@ shard back into the full value. Each redistribution of an old node is emitted on
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import sympy
 import torch.fx as fx
@@ -99,6 +99,15 @@ class Redistributor:
                 ),
             )
         return self._gathered[node]
+
+    def forget(self, nodes: Iterable[fx.Node]) -> None:
+        """Drop the cached slices and gathers of ``nodes``: they were mutated in place, so the
+        next use must slice or gather the mutated value again."""
+        nodes = set(nodes)
+        for node in nodes:
+            self._gathered.pop(node, None)
+        for key in [k for k in self._sliced if k[0] in nodes]:
+            del self._sliced[key]
 
     def to_shard(self, node: fx.Node, shard: Shard) -> fx.Node:
         """The new-graph value of old node ``node`` sliced to placement ``shard``."""

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import sympy
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_autosp.passes.placement import REPLICATE, Shard, is_tensor, shape_exprs
 from lightning_autosp.passes.redistribute import Redistributor
@@ -51,6 +52,7 @@ class SPRewrite:
         self.new_value: dict[fx.Node, Any] = {}
         self.placements: dict[fx.Node, Any] = {}
         self.stats = SPPassStats(seq_symbol=str(seq))
+        self.mutations: set[fx.Node] = set()  # new-graph nodes that mutate a tensor in place
         self.redistribute = Redistributor(
             self.graph, self.new_value, self.placements, self._size_sources(), seq, sp_size, sp_rank, group_name
         )
@@ -85,6 +87,14 @@ class SPRewrite:
     def seq_dims(self, node: fx.Node) -> list[int]:
         """The dims of ``node`` whose size is the global sequence length."""
         return [d for d, e in enumerate(self.shape(node)) if e == self.seq]
+
+    def aliases(self, node: fx.Node) -> list[fx.Node]:
+        """The old nodes visited so far whose tensors share ``node``'s storage (views, in-place
+        results, ``node`` itself), from the fake tensors Dynamo recorded."""
+        storage = _storage(self.val(node))
+        if storage is None:
+            return []
+        return [n for n in self.placements if _storage(self.val(n)) == storage]
 
     def tensor_inputs(self, node: fx.Node) -> list[fx.Node]:
         out: list[fx.Node] = []
@@ -127,3 +137,8 @@ class SPRewrite:
         """Old ``node`` is ``new_value`` in the new graph, with ``placement``."""
         self.new_value[node] = new_value
         self.placements[node] = placement
+
+
+def _storage(value: Any) -> Optional[int]:
+    """An id of the (fake) tensor's storage, shared by its views."""
+    return StorageWeakRef(value.untyped_storage()).cdata if is_tensor(value) else None

@@ -15,6 +15,7 @@ for one device into the graph one SP rank runs:
   and is tracked as an uneven shard (see :mod:`.placement`): no token is lost at a boundary;
 * an op the pass has no rule for gets its sharded inputs all-gathered and runs replicated -
   correct, only slower - and is reported in :attr:`SPPassStats.fallbacks`;
+* an in-place op runs exactly on the local value or is refused (:mod:`.inplace`);
 * graph outputs are all-gathered, so code outside the graph sees full-sequence values.
 
 The pass is a driver (this module: visit the graph in order, ask the rule registered for each
@@ -39,6 +40,7 @@ import torch.fx as fx
 
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.layout import check_sequence_fits
+from lightning_autosp.passes.inplace import mutated_input, visit_inplace
 from lightning_autosp.passes.placement import is_tensor, shape_exprs
 from lightning_autosp.passes.rewrite import SPPassStats, SPRewrite
 from lightning_autosp.passes.sp_rules import ALL_TO_ALL, SDPA, lookup
@@ -86,13 +88,17 @@ def _run(rw: SPRewrite) -> fx.Graph:
             rw.record(node, rw.copy(node), rw.replicated_placement(node))
         else:
             _visit(rw, node)
-    rw.graph.eliminate_dead_code()
+    # in-place ops have no users; keep them
+    rw.graph.eliminate_dead_code(is_impure_node=lambda n: n in rw.mutations or n.is_impure())
     return rw.graph
 
 
 def _visit(rw: SPRewrite, node: fx.Node) -> None:
     if node.op == "call_function":
         _refuse_attention_in_subgraph(rw.gm, node)
+    mutated = mutated_input(rw, node)
+    if mutated is not None:
+        return visit_inplace(rw, node, mutated, lookup)
     found = lookup(node)
     sharded_input = any(rw.is_shard(n) for n in rw.tensor_inputs(node))
     if not sharded_input and not (found is not None and found[1].source):
@@ -105,8 +111,6 @@ def _visit(rw: SPRewrite, node: fx.Node) -> None:
     if found is None:
         return _fallback(rw, node, "no sequence-parallel rule")
     call, rule = found
-    if call.inplace:
-        return _fallback(rw, node, "no sequence-parallel rule for the in-place form")
     result = rule(rw, node, call)
     if result is None:
         return _fallback(rw, node, "unsupported arguments")

@@ -35,8 +35,8 @@ RuleResult = Optional[tuple[Any, Any]]
 class OpCall:
     """One call of a registered op, normalised: ``name`` is the canonical op name (``"add"``,
     ``"sum"``, ``"transpose"``, ...); ``inplace`` is set for the in-place method spelling
-    (``x.add_(y)``). Function spellings with ``inplace=True`` (``F.relu(x, inplace=True)``)
-    reach the op's rule with ``inplace`` unset; the rule keeps the keyword."""
+    (``x.add_(y)``). The pass decides whether an in-place call may use the op's rule
+    (:mod:`lightning_autosp.passes.inplace`); the rule copies the call as it is spelled."""
 
     name: str
     inplace: bool = False

@@ -33,6 +33,9 @@ ELEMENTWISE_OPS = (
     op("ge", torch.ge, operator.ge), op("__and__", operator.and_), op("__or__", operator.or_),
     op("xor", operator.xor, method=False), op("__invert__", operator.invert), op("__mul__"), op("__add__"),
     op("__sub__"), op("__truediv__"), op("__neg__"), op("__rmul__"), op("__radd__"), op("__rsub__"), op("__rtruediv__"),
+    # augmented assignment (``x += y``): in place, see passes/inplace.py
+    op("iadd", operator.iadd, method=False), op("isub", operator.isub, method=False),
+    op("imul", operator.imul, method=False), op("itruediv", operator.itruediv, method=False),
     # pointwise math
     op("exp", torch.exp), op("log", torch.log), op("sqrt", torch.sqrt), op("rsqrt", torch.rsqrt),
     op("tanh", torch.tanh, F.tanh), op("sigmoid", torch.sigmoid, F.sigmoid), op("sin", torch.sin), op("cos", torch.cos),
