@@ -134,3 +134,22 @@ def test_inplace_on_replicated_values_is_left_alone():
     gm = _capture(lambda i: fn(emb, i), torch.randint(0, VOCAB, (2, 12)))
     out = sequence_parallel_pass(gm, sp_size=2, sp_rank=0, group_name="unused")
     assert out.meta["autosp"].sdpa == 1 and not out.meta["autosp"].fallbacks
+
+
+def test_hugging_face_deepseek_v3_is_refused_not_wrong():
+    """HF DeepSeek-V3 attention assembles its keys with ``copy_`` into slices of ``new_empty``
+    (the loss under AutoSP was NaN before; one device: a finite loss). Now: an error naming it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(3)
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64, attn_implementation="sdpa",
+    )
+    model = transformers.DeepseekV3ForCausalLM(config)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)  # one device
+    gm = _capture(lambda i: model(input_ids=i, labels=i, use_cache=False).loss, ids)
+    with pytest.raises(AutoSPError, match=r"in-place op `(copy_|setitem)`(.|\n)*Write it out of place"):
+        sequence_parallel_pass(gm, sp_size=2, sp_rank=0, group_name="unused")
