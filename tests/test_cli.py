@@ -5,9 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
 from sp_harness import free_port
 
 from lightning_autosp.cli import main
+from lightning_autosp.examples.kv_recall import IGNORE_INDEX, KVRecallDataset
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -34,6 +36,24 @@ def test_demo_config_fast_dev_run(tmp_path, monkeypatch):
             *SMALL,
         ]
     )
+
+
+def test_demo_task_needs_attention_across_the_sp_shards():
+    """In the demo config every key/value pair lies in SP rank 0's half of the sequence and every
+    query in rank 1's half, so no answer can be found without attending across the shards."""
+    config = yaml.safe_load((ROOT / "configs" / "demo_cpu.yaml").read_text())
+    sp_size = config["trainer"]["strategy"]["init_args"]["sp_size"]
+    assert sp_size == config["trainer"]["devices"] == 2
+    data = config["data"]["init_args"]
+    ds = KVRecallDataset(size=4, **{k: v for k, v in data.items() if k != "batch_size"})
+    shard = ds.seq_len // sp_size  # rank r holds positions [r * shard, (r + 1) * shard)
+    assert ds.pairs_end <= shard <= ds.query_start
+    for i in range(len(ds)):
+        ids, labels = ds[i]["input_ids"], ds[i]["labels"]
+        is_value = (ids >= ds.value_offset) & (ids < ds.filler_offset)
+        asked = (labels != IGNORE_INDEX).nonzero().flatten()
+        assert is_value.nonzero().max() < shard <= asked.min()
+        assert set(labels[asked].tolist()) <= set(ids[:shard][is_value[:shard]].tolist())  # answers only on rank 0
 
 
 def test_gpu_config_parses():

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_autosp.examples.kv_recall import IGNORE_INDEX, KVRecallDataModule, KVRecallDataset
-from lightning_autosp.examples.causal_lm import CausalLMModule
+from lightning_autosp.examples.causal_lm import CausalLMModule, WarmupCosine
 from lightning_autosp.examples.models import GPT, GPTConfig, Llama, LlamaConfig, build_model, repeat_kv
 
 torch.set_num_threads(1)
@@ -200,6 +200,17 @@ def test_demo_module_init_is_reproducible():
         assert na == nb and torch.equal(pa, pb)
     c = CausalLMModule(vocab_size=VOCAB, dim=32, ffn_hidden=64, init_seed=1)
     assert not torch.equal(a.model.output.weight, c.model.output.weight)
+
+
+def test_warmup_cosine_schedule():
+    constant = WarmupCosine(warmup_steps=4)
+    assert [constant(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cosine = WarmupCosine(warmup_steps=4, total_steps=14)
+    assert [cosine(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert cosine(4) == 1.0
+    assert cosine(9) == pytest.approx(0.5)
+    assert cosine(14) == pytest.approx(0.0) and cosine(20) == pytest.approx(0.0)
+    assert all(cosine(s) >= cosine(s + 1) for s in range(4, 20))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt"])

@@ -14,6 +14,7 @@ accuracy* (chance is ``1 / num_values``).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Dict, Optional
 
 import torch
@@ -27,7 +28,7 @@ from lightning_autosp.examples.models import build_model
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CausalLMModule"]
+__all__ = ["CausalLMModule", "WarmupCosine"]
 
 # Vocabulary of the default KVRecallDataModule (BOS + keys + values + filler).
 _DEFAULT_VOCAB_SIZE = KVRecallDataModule().vocab_size
@@ -45,7 +46,9 @@ class CausalLMModule(LightningModule):
         ffn_hidden: MLP hidden size.
         max_seq_len: GPT position-table size; validation/documentation only for Llama.
         lr, weight_decay, betas: AdamW settings; weight decay applies to matrices only.
-        warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``, then constant.
+        warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``.
+        cosine_decay: after the warmup, decay the learning rate to 0 along a cosine over the
+            rest of the run (``trainer.estimated_stepping_batches``); otherwise keep it constant.
         init_seed: if not ``None``, weights are initialised from this seed in a forked RNG
             so that every process builds identical weights regardless of global RNG state.
     """
@@ -64,6 +67,7 @@ class CausalLMModule(LightningModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 20,
+        cosine_decay: bool = False,
         init_seed: Optional[int] = 0,
     ) -> None:
         super().__init__()
@@ -115,8 +119,8 @@ class CausalLMModule(LightningModule):
             lr=self.hparams.lr,
             betas=tuple(self.hparams.betas),
         )
-        warmup = max(1, int(self.hparams.warmup_steps))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _LinearWarmup(warmup))
+        total = int(self.trainer.estimated_stepping_batches) if self.hparams.cosine_decay else None
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(self.hparams.warmup_steps, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
@@ -127,11 +131,18 @@ def _update(metric: MulticlassAccuracy, preds: Tensor, target: Tensor) -> None:
     metric(preds, target)
 
 
-class _LinearWarmup:
-    """Picklable LR multiplier: ``min(1, (step + 1) / warmup_steps)``."""
+class WarmupCosine:
+    """Picklable LR multiplier: linear warmup ``(step + 1) / warmup_steps`` up to 1, then constant
+    (``total_steps=None``) or a cosine decay reaching 0 at ``total_steps``."""
 
-    def __init__(self, warmup_steps: int) -> None:
-        self.warmup_steps = warmup_steps
+    def __init__(self, warmup_steps: int, total_steps: Optional[int] = None) -> None:
+        self.warmup_steps = max(1, int(warmup_steps))
+        self.total_steps = total_steps
 
     def __call__(self, step: int) -> float:
-        return min(1.0, (step + 1) / self.warmup_steps)
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.total_steps is None:
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
