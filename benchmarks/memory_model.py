@@ -52,7 +52,7 @@ from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch.partitioners import default_partition
 from torch.utils._pytree import tree_leaves
 
-from lightning_autosp.memory.accounting import _is_alias
+from lightning_autosp.memory.accounting import is_alias
 from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes import sequence_parallel_pass
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner
@@ -158,7 +158,7 @@ def _tensor_bytes(val: Any) -> Optional[sympy.Expr]:
 
 def _is_alias_node(n: Any) -> bool:
     return (
-        isinstance(n, fx.Node) and n.op == "call_function" and _is_alias(n.target)
+        isinstance(n, fx.Node) and n.op == "call_function" and is_alias(n.target)
         and bool(n.args) and isinstance(n.args[0], fx.Node)
     )
 

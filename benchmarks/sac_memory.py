@@ -142,7 +142,7 @@ def run(rank: int, args: argparse.Namespace) -> dict:
                 if rep == 0:  # also record what autograd keeps: the cross-check of the record
                     saved = SavedBytes([*model.parameters(), *model.buffers(), ids, labels])
                     per[name]["times"].append(fwd_bwd(name, ids, labels, saved))
-                    rec = backends[name].saved[-1]
+                    rec = backends[name].saved_activations[-1]
                     per[name].update(
                         by_kind=rec.bytes_by_kind(), by_block=rec.bytes_by(block_of),
                         kept_by_autograd=saved.total, recomputed=rec.recomputed,

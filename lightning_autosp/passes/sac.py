@@ -110,11 +110,11 @@ class SACStats:
 
 
 def _is_collective(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in memory._COLLECTIVE_NAMESPACES
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in memory.COLLECTIVE_NAMESPACES
 
 
 def _is_attention(node: fx.Node) -> bool:
-    name = memory._op_name(node.target) if node.op == "call_function" else None
+    name = memory.qualified_op_name(node.target) if node.op == "call_function" else None
     return name is not None and memory.op_kind(name) == "attention"
 
 
@@ -191,7 +191,7 @@ def _recomputed_ops(fw: fx.GraphModule, bw: fx.GraphModule) -> dict[str, int]:
     counts: Counter = Counter()
     for n in bw.graph.nodes:
         if n.op == "call_function" and n.name in fw_names:
-            name = memory._op_name(n.target) or getattr(n.target, "__name__", str(n.target))
+            name = memory.qualified_op_name(n.target) or getattr(n.target, "__name__", str(n.target))
             counts[name.rpartition("::")[2]] += 1
     return dict(counts)
 
