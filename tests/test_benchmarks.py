@@ -65,7 +65,7 @@ def _liveness_peak(f) -> int:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     gm = make_fx(f, tracing_mode="fake")(torch.zeros(1024))
-    return mm._walk(gm, 0, mm.Trace(fw=gm, bw=gm, num_fwd_outputs=1), saved_from=None, num_fwd_outputs=1).peak
+    return mm.walk(gm, 0, mm.Trace(fw=gm, bw=gm, num_fwd_outputs=1), saved_from=None, num_fwd_outputs=1).peak
 
 
 def test_liveness_walk_on_a_known_graph():
