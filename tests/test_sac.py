@@ -1,6 +1,6 @@
 """Sequence-aware activation checkpointing: the policy, its invariants, and its scope.
 
-Invariants (ISSUE: SAC): gradients identical with and without SAC; exactly 4 all-to-alls per
+Invariants: gradients identical with and without SAC; exactly 4 all-to-alls per
 attention call in backward (no collective recomputed), also under a memory budget; fewer
 bytes saved for backward; a plain ``torch.compile`` elsewhere in the process is unaffected.
 """
