@@ -68,8 +68,9 @@ def test_eager_measurement_exact():
     tracker.start(block)
     block(x)
     assert tracker.stop() == want
+    assert tracker.hooked
     tracker.close()
-    assert not tracker._handles
+    assert not tracker.hooked
 
 
 def test_compiled_step_snapshot_and_bytes_since():

@@ -378,6 +378,11 @@ class EagerSavedTensors:
             self._handles.append(m.register_forward_hook(post, always_call=True))
         self._hooked = weakref.ref(module)
 
+    @property
+    def hooked(self) -> bool:
+        """Whether module hooks are registered (from the first :meth:`start` until :meth:`close`)."""
+        return bool(self._handles)
+
     def close(self) -> None:
         if self.active:
             self.stop()
