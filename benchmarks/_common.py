@@ -57,6 +57,16 @@ def parser(
     return p
 
 
+def check_steps_and_seq_lens(p: argparse.ArgumentParser, args: argparse.Namespace, steps: str) -> None:
+    """Stop with a usage error unless ``--<steps>`` is >= 1 and every ``--seq-lens`` value
+    is divisible by ``--sp-size``."""
+    if getattr(args, steps) < 1:
+        p.error(f"--{steps} must be >= 1")
+    for S in args.seq_lens:
+        if S % args.sp_size:
+            p.error(f"--seq-lens: {S} is not divisible by --sp-size {args.sp_size}")
+
+
 def llama_config(args: Any, **extra: Any) -> Any:
     """The ``LlamaConfig`` of the shape flags in ``args`` (a namespace or a results file's
     ``args`` dict), with ``extra`` fields (``max_seq_len``)."""

@@ -36,7 +36,9 @@ import _common  # noqa: F401  (puts the checkout on sys.path)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import GiB, MiB, PeakRSS, SavedBytes, arguments, finish, machine, parser, write_json
+from _common import (
+    GiB, MiB, PeakRSS, SavedBytes, arguments, check_steps_and_seq_lens, finish, machine, parser, write_json,
+)
 
 VARIANTS = ("no_sp", "sp", "sp_sac")
 
@@ -58,11 +60,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--search-max", type=int, default=1 << 20)
     p.add_argument("--max-minutes", type=float, default=9.0, help="stop searching once this much time has passed")
     args = p.parse_args(argv)
-    if args.reps < 1:
-        p.error("--reps must be >= 1")
-    for S in args.seq_lens:
-        if S % args.sp_size:
-            p.error(f"--seq-lens: {S} is not divisible by --sp-size {args.sp_size}")
+    check_steps_and_seq_lens(p, args, "reps")
     return args
 
 

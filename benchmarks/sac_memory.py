@@ -30,7 +30,9 @@ import _common  # noqa: F401  (puts the checkout on sys.path)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import MiB, SavedBytes, arguments, finish, init_worker, launch, llama_config, parser, ratio
+from _common import (
+    MiB, SavedBytes, arguments, check_steps_and_seq_lens, finish, init_worker, launch, llama_config, parser, ratio,
+)
 
 from lightning_autosp.backend import AutoSPBackend
 from lightning_autosp.memory.accounting import OP_KINDS, SavedTensor
@@ -48,11 +50,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--sp-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=2, help="timed steps per configuration and length (>= 1)")
     args = p.parse_args(argv)
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
-    for S in args.seq_lens:
-        if S % args.sp_size:
-            p.error(f"--seq-lens: {S} is not divisible by --sp-size {args.sp_size}")
+    check_steps_and_seq_lens(p, args, "steps")
     return args
 
 
