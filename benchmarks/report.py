@@ -1,9 +1,10 @@
-"""Run every benchmark and write ``BENCHMARKS.md`` (``make benchmarks``).
+"""Run the benchmarks behind ``BENCHMARKS.md`` and write it (``make benchmarks``).
 
 Steps: ``sp_throughput.py`` (CPU, 2 and 4 processes), ``trainability.py`` (traced real
 shapes), ``gpu_check.py`` (only with CUDA; without it the last GPU results in
 ``benchmarks/results/gpu_check.json`` are shown, if any). Results go to
 ``benchmarks/results/`` (JSON and PNG) and the page is rendered from them.
+``sac_memory.py`` is run on its own; its figures are in ``docs/memory.md``.
 
 ``--reuse`` renders the page from the JSON files already there, running nothing. The prose
 is ``benchmarks/report_template.md``; this script only computes the figures it names.
