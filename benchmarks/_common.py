@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: process launch, memory probes, formatting.
+"""Helpers shared by the benchmark scripts: arguments and the end of ``main``, process launch,
+memory probes, formatting.
 
 Benchmarks run from a source checkout (``python benchmarks/<script>.py``); importing this
 module puts the checkout on ``sys.path``.
@@ -6,6 +7,7 @@ module puts the checkout on ``sys.path``.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import json
@@ -29,6 +31,75 @@ MiB = float(1 << 20)
 GiB = float(1 << 30)
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+#: the Llama shape flags (``--dim``, ...) of the scripts that train a small Llama
+MODEL_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size")
+
+
+def parser(
+    doc: Optional[str], *, plot: Optional[str] = None, threads: bool = False, model: Optional[dict[str, int]] = None
+) -> argparse.ArgumentParser:
+    """A benchmark script's argument parser: ``doc`` (its docstring) as the description and
+    ``--out`` (the results as JSON); with ``plot`` (what the chart shows) ``--plot``; with
+    ``threads`` ``--threads``; with ``model`` (a default per :data:`MODEL_FLAGS` entry) the
+    Llama shape flags."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in (model or {}).items():
+        if name not in MODEL_FLAGS:
+            raise ValueError(f"parser(model=...): unknown flag {name!r}; known: {list(MODEL_FLAGS)}")
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+    if threads:
+        p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    p.add_argument("--out", type=str, default=None, help="write the results as JSON here")
+    if plot is not None:
+        p.add_argument("--plot", type=str, default=None, help=f"{plot} (PNG)")
+    return p
+
+
+def check_steps_and_seq_lens(p: argparse.ArgumentParser, args: argparse.Namespace, steps: str) -> None:
+    """Stop with a usage error unless ``--<steps>`` is >= 1 and every ``--seq-lens`` value
+    is divisible by ``--sp-size``."""
+    if getattr(args, steps) < 1:
+        p.error(f"--{steps} must be >= 1")
+    for S in args.seq_lens:
+        if S % args.sp_size:
+            p.error(f"--seq-lens: {S} is not divisible by --sp-size {args.sp_size}")
+
+
+def llama_config(args: Any, **extra: Any) -> Any:
+    """The ``LlamaConfig`` of the shape flags in ``args`` (a namespace or a results file's
+    ``args`` dict), with ``extra`` fields (``max_seq_len``)."""
+    from lightning_autosp.examples.models import LlamaConfig
+
+    values = args if isinstance(args, dict) else vars(args)
+    return LlamaConfig(**{k: values[k] for k in MODEL_FLAGS}, **extra)
+
+
+def arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """``vars(args)`` for a results file, with ``--out``/``--plot`` relative to the checkout
+    (a results file names no machine's directories)."""
+    out = dict(vars(args))
+    for key in ("out", "plot"):
+        if out.get(key):
+            path = Path(out[key]).resolve()
+            out[key] = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+    return out
+
+
+def finish(
+    results: dict, args: argparse.Namespace, markdown: Callable[[dict], str],
+    plot: Optional[Callable[[dict, str], None]] = None,
+) -> dict:
+    """The end of every script's ``main``: print the table (and the wall time, if measured),
+    write the JSON (``--out``) and the chart (``--plot``)."""
+    print(markdown(results))
+    if "wall_s" in results:
+        print(f"wall time {results['wall_s']:.0f}s")
+    write_json(results, args.out)
+    if plot is not None and getattr(args, "plot", None):
+        plot(results, args.plot)
+    return results
 
 
 def free_port() -> int:

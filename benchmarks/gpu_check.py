@@ -36,7 +36,9 @@ import _common  # noqa: F401  (puts the checkout on sys.path)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import GiB, MiB, PeakRSS, SavedBytes, machine, write_json
+from _common import (
+    GiB, MiB, PeakRSS, SavedBytes, arguments, check_steps_and_seq_lens, finish, machine, parser, write_json,
+)
 
 VARIANTS = ("no_sp", "sp", "sp_sac")
 
@@ -44,7 +46,7 @@ VARIANTS = ("no_sp", "sp", "sp_sac")
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     import memory_model as mm
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--device", default="cuda")
     p.add_argument("--preset", choices=list(mm.PRESETS), default="llama-3.2-1b")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks (the preset's shapes, fewer blocks)")
@@ -57,13 +59,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--budget-gib", type=float, default=32.0, help="activation memory budget for the length search")
     p.add_argument("--search-max", type=int, default=1 << 20)
     p.add_argument("--max-minutes", type=float, default=9.0, help="stop searching once this much time has passed")
-    p.add_argument("--out", type=str, default=None)
     args = p.parse_args(argv)
-    if args.reps < 1:
-        p.error("--reps must be >= 1")
-    for S in args.seq_lens:
-        if S % args.sp_size:
-            p.error(f"--seq-lens: {S} is not divisible by --sp-size {args.sp_size}")
+    check_steps_and_seq_lens(p, args, "reps")
     return args
 
 
@@ -175,7 +172,7 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda res: Non
     t0 = time.perf_counter()
     budget = args.budget_gib * GiB
     res: dict = {
-        "args": vars(args), "machine": machine(), "device": _device_name(device), "config": cfg.__dict__,
+        "args": arguments(args), "machine": machine(), "device": _device_name(device), "config": cfg.__dict__,
         "variants": {}, "skipped": [],
     }
     out_of_time = lambda: time.perf_counter() - t0 > 60 * args.max_minutes  # noqa: E731
@@ -261,10 +258,7 @@ def main(argv: Optional[list[str]] = None) -> Optional[dict]:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: skipped, no CUDA device (use --device cpu --tiny for a dry run of the script)")
         return None
-    res = run(args, save=lambda r: write_json(r, args.out))
-    print(markdown(res))
-    print(f"wall time {res['wall_s']:.0f}s")
-    return res
+    return finish(run(args, save=lambda r: write_json(r, args.out)), args, markdown)
 
 
 if __name__ == "__main__":

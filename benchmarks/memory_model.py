@@ -49,15 +49,15 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
-from torch._functorch.partitioners import default_partition
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch.utils._pytree import tree_leaves
 
-from lightning_autosp.memory.accounting import _is_alias
+from lightning_autosp.memory.accounting import is_alias
 from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes import sequence_parallel_pass
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner
 
-__all__ = ["PRESETS", "VARIANTS", "Trace", "trace", "LayerModel", "layer_model", "param_counts"]
+__all__ = ["PRESETS", "VARIANTS", "Trace", "trace", "Walk", "walk", "LayerModel", "layer_model", "param_counts"]
 
 #: Published shapes (Hugging Face ``config.json``). Llama-3.2-1B ties its input embedding and
 #: output head; the bundled model has an untied head, which only adds one vocab x dim matrix
@@ -95,26 +95,6 @@ def keep_rope_fp32(model: Llama) -> Llama:
     return model
 
 
-class _KeepGraphs(SACPartitioner):
-    """The AutoSP partition function, also keeping the forward and backward graphs;
-    ``eager_saving`` swaps the min-cut partition for AOT's default one."""
-
-    def __init__(self, config: Optional[SACConfig], eager_saving: bool) -> None:
-        super().__init__(config)
-        self.eager_saving = eager_saving
-        self.graphs: list[tuple[fx.GraphModule, fx.GraphModule, int]] = []
-
-    def _partition(self, gm, joint_inputs, budget, kwargs):  # type: ignore[override]
-        if self.eager_saving:
-            return default_partition(gm, joint_inputs, **kwargs)
-        return super()._partition(gm, joint_inputs, budget, kwargs)
-
-    def __call__(self, gm, joint_inputs, **kwargs):
-        fw, bw = super().__call__(gm, joint_inputs, **kwargs)
-        self.graphs.append((fw, bw, kwargs["num_fwd_outputs"]))
-        return fw, bw
-
-
 class _Traced(Exception):
     """Raised by the tracing backend once the graphs exist, so that nothing runs."""
 
@@ -143,8 +123,8 @@ class Trace:
         ``count_grads``: also count the parameter gradients the backward graph returns, live
         from when each is made to the end of the graph (a run whose ``.grad`` already exists);
         by default they are left to the static memory."""
-        fw = _walk(self.fw, S, self, saved_from=None, num_fwd_outputs=self.num_fwd_outputs)
-        bw = _walk(self.bw, S, self, saved_from=fw, count_grads=count_grads)
+        fw = walk(self.fw, S, self, saved_from=None, num_fwd_outputs=self.num_fwd_outputs)
+        bw = walk(self.bw, S, self, saved_from=fw, count_grads=count_grads)
         return {"saved": fw.saved, "fw_peak": fw.peak, "bw_peak": bw.peak, "peak": max(fw.peak, bw.peak)}
 
 
@@ -158,13 +138,15 @@ def _tensor_bytes(val: Any) -> Optional[sympy.Expr]:
 
 def _is_alias_node(n: Any) -> bool:
     return (
-        isinstance(n, fx.Node) and n.op == "call_function" and _is_alias(n.target)
+        isinstance(n, fx.Node) and n.op == "call_function" and is_alias(n.target)
         and bool(n.args) and isinstance(n.args[0], fx.Node)
     )
 
 
 @dataclass
-class _Walk:
+class Walk:
+    """What a liveness walk over one graph found (see :func:`walk`)."""
+
     peak: int
     saved: int
     #: forward output name -> the allocation it refers to (None: a parameter or an input)
@@ -172,9 +154,9 @@ class _Walk:
     size: dict[Any, int]
 
 
-def _walk(
-    gm: fx.GraphModule, S: int, tr: Trace, saved_from: Optional[_Walk], num_fwd_outputs: int = 0, count_grads: bool = False
-) -> _Walk:
+def walk(
+    gm: fx.GraphModule, S: int, tr: Trace, saved_from: Optional[Walk], num_fwd_outputs: int = 0, count_grads: bool = False
+) -> Walk:
     """Liveness walk over one graph. For the backward graph (``saved_from`` = the forward's
     walk) the placeholders that the forward saved refer to the forward's allocations."""
     nodes = list(gm.graph.nodes)
@@ -243,18 +225,26 @@ def _walk(
         live += sum(size[k] for k in births.get(i, ()))
         peak = max(peak, live)
         live -= sum(size[k] for k in deaths.get(i, ()))
-    return _Walk(peak=peak, saved=saved, outputs={o.name: storage.get(o) for o in outs}, size=size)
+    return Walk(peak=peak, saved=saved, outputs={o.name: storage.get(o) for o in outs}, size=size)
 
 
 def _backend(variant: str, sp_size: int, out: list) -> Callable:
-    sac = SACConfig() if variant == "sp_sac" else None
-    keeper = _KeepGraphs(sac, eager_saving=variant.endswith("_eager"))
+    """A backend that partitions like AutoSP (``*_eager`` variants: as eager autograd saves),
+    appends ``(fw, bw, num_fwd_outputs)`` to ``out`` and stops the compile."""
+    partitioner = SACPartitioner(
+        SACConfig() if variant == "sp_sac" else None,
+        partition_fn=default_partition if variant.endswith("_eager") else min_cut_rematerialization_partition,
+    )
+
+    def keep_graphs(gm: fx.GraphModule, joint_inputs: list, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        fw, bw = partitioner(gm, joint_inputs, **kwargs)
+        out.append((fw, bw, kwargs["num_fwd_outputs"]))
+        return fw, bw
 
     def backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
         if variant.startswith(("sp", "ulysses")):
             gm = sequence_parallel_pass(gm, example_inputs, sp_size=sp_size, sp_rank=0, group_name="traced", seq_dim=1)
-        aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=keeper)(gm, example_inputs)
-        out.extend(keeper.graphs)
+        aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=keep_graphs)(gm, example_inputs)
         raise _Traced
 
     return backend

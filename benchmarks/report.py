@@ -1,11 +1,13 @@
-"""Run every benchmark and write ``BENCHMARKS.md`` (``make benchmarks``).
+"""Run the benchmarks behind ``BENCHMARKS.md`` and write it (``make benchmarks``).
 
 Steps: ``sp_throughput.py`` (CPU, 2 and 4 processes), ``trainability.py`` (traced real
 shapes), ``gpu_check.py`` (only with CUDA; without it the last GPU results in
 ``benchmarks/results/gpu_check.json`` are shown, if any). Results go to
 ``benchmarks/results/`` (JSON and PNG) and the page is rendered from them.
+``sac_memory.py`` is run on its own; its figures are in ``docs/memory.md``.
 
-``--reuse`` renders the page from the JSON files already there, running nothing.
+``--reuse`` renders the page from the JSON files already there, running nothing. The prose
+is ``benchmarks/report_template.md``; this script only computes the figures it names.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import string
 import time
 from typing import Optional
 
@@ -24,6 +27,8 @@ import trainability
 
 RESULTS = _common.ROOT / "benchmarks" / "results"
 PAGE = _common.ROOT / "BENCHMARKS.md"
+#: the page's prose, with ``$name`` placeholders for the figures
+TEMPLATE = _common.ROOT / "benchmarks" / "report_template.md"
 
 
 def _load(name: str) -> Optional[dict]:
@@ -39,38 +44,46 @@ def run_all() -> None:
         gpu_check.main(["--out", str(RESULTS / "gpu_check.json")])
 
 
-def _key_ratios(tp: dict) -> list[str]:
+def _sections() -> dict[str, string.Template]:
+    """The sections of ``report_template.md``, by name, as templates."""
+    parts = re.split(r"^<!-- section: (\w+) -->\n", TEMPLATE.read_text(), flags=re.M)
+    return {name: string.Template(body.removesuffix("\n")) for name, body in zip(parts[1::2], parts[2::2])}
+
+
+def _key_ratios(tp: dict, section: string.Template) -> str:
     budget = tp["args"]["budget_mib"]
     out = []
     for n, run in tp["runs"].items():
         v = run["variants"]
         tps = {k: x["tokens_per_s"] for k, x in v.items()}
         at = {k: sp_throughput.at_budget(x, budget) for k, x in v.items()}
-        lengths = ", ".join(f"{k} {at[k]:.0f}" for k in v if at[k])
-        sac_gain = f"{at['autosp_sac'] / at['autosp']:.2f}x" if at["autosp_sac"] and at["autosp"] else "-"
-        hw_gain = f"{at['autosp_sac'] / at['ulysses_eager']:.2f}x" if at["autosp_sac"] and at["ulysses_eager"] else "-"
-        out.append(
-            f"- {n} processes: tokens/s of AutoSP without SAC / compiled hand-written Ulysses "
-            f"**{tps['autosp'] / tps['ulysses_compiled']:.2f}x**, / eager hand-written "
-            f"**{tps['autosp'] / tps['ulysses_eager']:.2f}x**; with SAC {tps['autosp_sac'] / tps['ulysses_compiled']:.2f}x / "
-            f"{tps['autosp_sac'] / tps['ulysses_eager']:.2f}x. Bytes saved for backward: eager hand-written / AutoSP + SAC "
-            f"**{v['ulysses_eager']['saved_bytes'] / v['autosp_sac']['saved_bytes']:.2f}x**, AutoSP without / with SAC "
-            f"**{v['autosp']['saved_bytes'] / v['autosp_sac']['saved_bytes']:.2f}x**. Length at the budget (interpolated): "
-            f"{lengths}; AutoSP + SAC / AutoSP without SAC **{sac_gain}**, / eager hand-written **{hw_gain}**."
-        )
-    return out
+        saved = {k: x["saved_bytes"] for k, x in v.items()}
+
+        def gain(a: str, b: str) -> str:
+            return f"{at[a] / at[b]:.2f}x" if at[a] and at[b] else "-"
+
+        out.append(section.substitute(
+            n=n,
+            autosp_vs_compiled=f"{tps['autosp'] / tps['ulysses_compiled']:.2f}x",
+            autosp_vs_eager=f"{tps['autosp'] / tps['ulysses_eager']:.2f}x",
+            sac_vs_compiled=f"{tps['autosp_sac'] / tps['ulysses_compiled']:.2f}x",
+            sac_vs_eager=f"{tps['autosp_sac'] / tps['ulysses_eager']:.2f}x",
+            saved_eager_vs_sac=f"{saved['ulysses_eager'] / saved['autosp_sac']:.2f}x",
+            saved_nosac_vs_sac=f"{saved['autosp'] / saved['autosp_sac']:.2f}x",
+            lengths=", ".join(f"{k} {at[k]:.0f}" for k in v if at[k]),
+            sac_gain=gain("autosp_sac", "autosp"),
+            handwritten_gain=gain("autosp_sac", "ulysses_eager"),
+        ))
+    return "\n".join(out)
 
 
-def _oversubscribed(tp: dict) -> list[str]:
+def _oversubscribed(tp: dict, section: string.Template) -> str:
+    """The note on oversubscription (on a new line), or ``""`` when there were enough cores."""
     cores = re.search(r"(\d+) cores", tp["machine"])
     n = max(int(k) for k in tp["runs"])
     if not cores or n <= int(cores.group(1)):
-        return []
-    return [
-        f"- {n} processes on {cores.group(1)} cores are oversubscribed: the work of a step is split over more processes "
-        "than cores, which is also why plain DDP (a whole sequence per process) takes longer per step there. The "
-        "ratios compare variants under the same conditions."
-    ]
+        return ""
+    return "\n" + section.substitute(n=n, cores=cores.group(1))
 
 
 def _impls(tp: dict) -> str:
@@ -79,88 +92,24 @@ def _impls(tp: dict) -> str:
 
 def render() -> str:
     tp, tr, gpu = _load("sp_throughput"), _load("trainability"), _load("gpu_check")
-    L = ["# Benchmarks", "", "Generated by `make benchmarks` (`python benchmarks/report.py`); every figure below comes from",
-         "the JSON files in `benchmarks/results/`, written by the run that produced this page.", ""]
+    t = _sections()
+    page = [t["header"].substitute()]
     if tp:
         a = tp["args"]
-        L += [
-            "## 1. AutoSP against hand-written Ulysses and plain DDP (CPU, measured)", "",
-            f"Machine: {tp['machine']}. Command: `python benchmarks/sp_throughput.py` (defaults; "
-            f"{tp['wall_s'] / 60:.0f} min).", "",
-            "Every variant trains the same Llama from the same weights, in the same processes, steps interleaved: "
-            "AutoSP (the unmodified model, inductor, with and without SAC), hand-written Ulysses (the model edited by "
-            f"hand, `benchmarks/ulysses_baseline.py`, exchanging with {_impls(tp)}; eager, and under a plain "
-            "`torch.compile`), and DDP without SP (each process trains a whole sequence). The gradients of the "
-            "SP variants are compared with the eager hand-written one (last column).", "",
-            sp_throughput.markdown(tp), "",
-            "Key ratios:", "", *_key_ratios(tp), "",
-            "![peak memory per process against sequence length](benchmarks/results/sp_memory.png)", "",
-            "What the numbers mean:", "",
-            "- Speed: a CPU with gloo is not a GPU cluster - all-to-alls are memory copies between processes and "
-            f"the processes share {a['threads']} thread each on a small machine; the ratios compare the same work done "
-            "by different code, side by side, not absolute speed. Medians of "
-            f"{a['reps']} steps; steps of a few seconds vary by several percent between runs.",
-            "- Saved bytes count what autograd keeps for backward (`saved_tensors_hooks`), each storage once. "
-            "The step peak is the resident-memory high-water mark a step adds to the process (glibc set to return "
-            "large frees at once), so it also counts transients: gradients, all-to-all buffers, attention workspace, "
-            "the logits and their gradient. SAC removes saved linear/norm outputs, which shrinks the saved bytes far "
-            "more than the peak at these sizes.",
-            f"- The longest-sequence search doubles the length (as specified), so it only resolves a factor of 2; the "
-            f"next column interpolates the peak linearly between the two measured lengths around the budget "
-            f"({a['budget_mib']:.0f} MiB per process, small so that the search finishes in minutes on 2 cores), which "
-            "is what the length ratios in the key ratios use.",
-            *_oversubscribed(tp),
-            "- Where AutoSP is slower than compiled hand-written Ulysses: a `torch.profiler` comparison of the two, "
-            "made by hand while building this page (2 processes, 3 steps; not regenerated by `make benchmarks`), put "
-            "the difference in the all-to-alls. AutoSP's is one opaque custom op, so the layout copies into its send "
-            "buffer and out of its receive buffer run as separate copies, while inductor fuses the hand-written "
-            "version's permutes into neighbouring kernels; attention and matmuls took the same time in both.",
-            "",
-        ]
+        page.append(t["throughput"].substitute(
+            machine=tp["machine"], wall_min=f"{tp['wall_s'] / 60:.0f}", impls=_impls(tp), table=sp_throughput.markdown(tp),
+            key_ratios=_key_ratios(tp, t["key_ratio"]), threads=a["threads"], reps=a["reps"],
+            budget_mib=f"{a['budget_mib']:.0f}", oversubscribed=_oversubscribed(tp, t["oversubscribed"]),
+        ))
     if tr:
-        L += [
-            "## 2. Trainability at real scale (predicted from traced graphs)", "",
-            "Command: `python benchmarks/trainability.py`. The Llama-3.2-1B and Llama-3.1-8B shapes are traced (no "
-            "weights, nothing executed) through the same passes AutoSP applies, for rank 0 of sp=8, and per-rank "
-            "memory is predicted as static (parameters, gradients, optimizer) + the activation peak of a liveness walk "
-            "over the partitioned forward and backward graphs. Assumptions are in the script's docstring and "
-            "repeated here: bf16 weights/activations, mixed-precision Adam (16 bytes/parameter); `zero3` shards "
-            "parameters, gradients and optimizer state over the 8 GPUs (the paper's ZeRO-3 baseline setting) plus the "
-            "largest module's gathered parameters (two copies) and unsharded gradients, `ddp` replicates them (what `AutoSPStrategy`, a DDP strategy, does today); one "
-            "sequence per SP group or per GPU; fused attention keeping only output + log-sum-exp; the walk over "
-            "unfused graphs is an upper bound for inductor; 10% of the GPU kept for the CUDA context, NCCL and "
-            "fragmentation; 1- and 2-layer traces extrapolated to the full depth (checked against a 3-layer trace).", "",
-            trainability.markdown(tr), "",
-            "![predicted memory per GPU against sequence length](benchmarks/results/trainability.png)", "",
-            "What the numbers mean:", "",
-            "- SP alone divides the per-token activations by about the SP size (8), minus what every rank still holds "
-            "in full (attention inputs for its heads over the whole sequence); SAC then stops saving the "
-            "linear/MLP/norm outputs and recomputes them, keeping attention outputs and collectives saved.",
-            "- Against the paper (last table): the SAC ratio (AutoSP + SAC over AutoSP without SAC) and the ratio over "
-            "hand-written Ulysses depend on what each run keeps; here the hand-written run keeps everything eager "
-            "autograd keeps (no activation checkpointing), as a hand-written Ulysses model without extra work does. "
-            "The ratios over no SP are far larger than the paper's 5.6x because those baselines keep every "
-            "activation; the row with full activation checkpointing (every block recomputed, attention included) is "
-            "the fairer long-context baseline, and the gap to it is what SP buys beyond recomputation. These are "
-            "predictions from graphs, not measurements; section 3 is the check on a real GPU.",
-            "- `ddp` rows: with every rank holding all 16 bytes/parameter, the 8B model does not fit at any length; "
-            "long-context training of 8B-class models needs sharded data parallelism next to SP, which "
-            "`AutoSPStrategy` does not provide yet.", "",
-        ]
-    L += ["## 3. One-GPU check of the predictions", "",
-          "Command: `python benchmarks/gpu_check.py` (under 10 minutes; prints a skip line without CUDA). It runs "
-          "rank 0 of an sp=8 group alone on the `fake` process group, so memory and compute are those of one rank, and "
-          "compares allocator peaks and saved bytes with the predictions of section 2.", ""]
+        page.append(t["trainability"].substitute(table=trainability.markdown(tr)))
+    page.append(t["gpu"].substitute())
     if gpu:
-        L += [f"Run on {gpu['device']} ({gpu['machine']}).", "", gpu_check.markdown(gpu), ""]
+        page.append(t["gpu_results"].substitute(device=gpu["device"], machine=gpu["machine"], table=gpu_check.markdown(gpu)))
     else:
-        L += ["**Not run yet**: no GPU was available to the machine that generated this page. "
-              "`python benchmarks/gpu_check.py --device cpu --tiny` runs the same code on CPU as a check of the "
-              "script (resident-memory peaks there are not comparable with allocator peaks).", ""]
-    L += ["## Reproduce", "", "```", "make benchmarks                        # everything above, then this page",
-          "python benchmarks/report.py --reuse   # re-render this page from benchmarks/results/*.json", "```", "",
-          f"_Rendered {time.strftime('%Y-%m-%d')}._", ""]
-    return "\n".join(L)
+        page.append(t["gpu_missing"].substitute())
+    page.append(t["reproduce"].substitute(date=time.strftime("%Y-%m-%d")))
+    return "\n".join(page)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

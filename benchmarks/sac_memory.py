@@ -13,52 +13,45 @@ For every sequence length it reports, per SP rank:
   interleaved, the slower rank counts; the first step of each also records what autograd
   keeps) and the largest relative gradient difference between the two.
 
-Example (the figures in docs/memory.md)::
+The figures in ``docs/memory.md`` (about 2 minutes on 2 cores; not run by ``make benchmarks``)::
 
-    .venv/bin/python benchmarks/sac_memory.py --seq-lens 1024 4096 16384 --steps 2 \\
-        --out docs/sac_memory.json --plot docs/sac_memory.png
+    .venv/bin/python benchmarks/sac_memory.py --seq-lens 1024 4096 16384 --steps 3 --plot sac_memory.png
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Optional
 
 import _common  # noqa: F401  (puts the checkout on sys.path)
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _common import MiB, SavedBytes, free_port, ratio
+from _common import (
+    MiB, SavedBytes, arguments, check_steps_and_seq_lens, finish, init_worker, launch, llama_config, parser, ratio,
+)
 
 from lightning_autosp.backend import AutoSPBackend
 from lightning_autosp.memory.accounting import OP_KINDS, SavedTensor
-from lightning_autosp.examples.models import Llama, LlamaConfig
+from lightning_autosp.examples.models import Llama
 from lightning_autosp.passes.sac import SACConfig
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = parser(
+        __doc__, plot="bar chart of the longest length, per op kind", threads=True,
+        model=dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=768, vocab_size=512),
+    )
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--n-heads", type=int, default=8)
-    p.add_argument("--n-kv-heads", type=int, default=4)
-    p.add_argument("--ffn-hidden", type=int, default=768)
-    p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--sp-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=2, help="timed steps per configuration and length (>= 1)")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
-    p.add_argument("--out", type=str, default=None, help="write the results as JSON here")
-    p.add_argument("--plot", type=str, default=None, help="bar chart (PNG) of the longest length, per op kind")
-    return p.parse_args()
+    args = p.parse_args(argv)
+    check_steps_and_seq_lens(p, args, "steps")
+    return args
 
 
 def block_of(t: SavedTensor) -> str:
@@ -69,10 +62,8 @@ def block_of(t: SavedTensor) -> str:
     return "rest"
 
 
-def worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> None:
-    torch.set_num_threads(args.threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=args.sp_size)
+def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namespace) -> None:
+    init_worker(rank, world, port, args.threads)
     try:
         result = run(rank, args)
         if rank == 0:
@@ -82,10 +73,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> None
 
 
 def run(rank: int, args: argparse.Namespace) -> dict:
-    cfg = LlamaConfig(
-        vocab_size=args.vocab_size, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
-        n_kv_heads=args.n_kv_heads, ffn_hidden=args.ffn_hidden, max_seq_len=max(args.seq_lens),
-    )
+    cfg = llama_config(args, max_seq_len=max(args.seq_lens))
     group = dist.group.WORLD.group_name
     configs = {"no_sac": None, "sac": SACConfig()}
     models, steps, backends = {}, {}, {}
@@ -131,7 +119,7 @@ def run(rank: int, args: argparse.Namespace) -> dict:
         compile_s[name] = time.perf_counter() - t
         models[name].zero_grad(set_to_none=True)
 
-    results = {"config": vars(args) | {"model": cfg.__dict__}, "compile_s": compile_s, "lengths": {}}
+    results = {"config": arguments(args) | {"model": cfg.__dict__}, "compile_s": compile_s, "lengths": {}}
     for S in args.seq_lens:
         ids, labels = batch(S, S)
         per = {name: {"times": []} for name in configs}
@@ -142,7 +130,7 @@ def run(rank: int, args: argparse.Namespace) -> dict:
                 if rep == 0:  # also record what autograd keeps: the cross-check of the record
                     saved = SavedBytes([*model.parameters(), *model.buffers(), ids, labels])
                     per[name]["times"].append(fwd_bwd(name, ids, labels, saved))
-                    rec = backends[name].saved[-1]
+                    rec = backends[name].saved_activations[-1]
                     per[name].update(
                         by_kind=rec.bytes_by_kind(), by_block=rec.bytes_by(block_of),
                         kept_by_autograd=saved.total, recomputed=rec.recomputed,
@@ -196,34 +184,29 @@ def report(res: dict) -> str:
             f"{ratio(*mb)} | {ratio(off['by_kind']['linear'], on['by_kind']['linear'])} | {ratio(*tot)} | "
             f"{100 * (on['step_s'] / off['step_s'] - 1):+.1f}% | {r['grad_rel_diff']:.1e} |"
         )
+    lines.append("")
+    lines.append(f"compile: {', '.join(f'{k} {v:.1f}s' for k, v in res['compile_s'].items())}")
     return "\n".join(lines)
 
 
-def main() -> None:
-    args = parse_args()
-    if args.steps < 1:
-        raise SystemExit("--steps must be >= 1")
-    for S in args.seq_lens:
-        if S % args.sp_size:
-            raise SystemExit(f"--seq-lens: {S} is not divisible by --sp-size {args.sp_size}")
-    with tempfile.TemporaryDirectory() as d:
-        t = time.perf_counter()
-        mp.start_processes(worker, args=(args, free_port(), d), nprocs=args.sp_size, start_method="fork")
-        res = torch.load(os.path.join(d, "result.pt"), weights_only=False)
-    res["wall_s"] = time.perf_counter() - t
-    print(report(res))
-    print(f"\nwall time {res['wall_s']:.0f}s (compile: {', '.join(f'{k} {v:.1f}s' for k, v in res['compile_s'].items())})")
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
-    if args.plot:
-        from lightning_autosp.memory.monitor import plot_saved_bytes
+def plot(res: dict, path: str) -> None:
+    from lightning_autosp.memory.monitor import plot_saved_bytes
 
-        S = max(res["lengths"])
-        r = res["lengths"][S]
-        plot_saved_bytes(
-            {"no SAC": r["no_sac"]["by_kind"], "SAC": r["sac"]["by_kind"]}, args.plot,
-            title=f"Saved for backward per rank, Llama d={args.dim}, S={S}, sp={args.sp_size}",
-        )
+    S = max(res["lengths"])
+    r = res["lengths"][S]
+    cfg = res["config"]
+    plot_saved_bytes(
+        {"no SAC": r["no_sac"]["by_kind"], "SAC": r["sac"]["by_kind"]}, path,
+        title=f"Saved for backward per rank, Llama d={cfg['dim']}, S={S}, sp={cfg['sp_size']}",
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args = parse_args(argv)
+    t = time.perf_counter()
+    res = launch(worker, args.sp_size, args)
+    res["wall_s"] = time.perf_counter() - t
+    return finish(res, args, report, plot)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ import _common  # noqa: F401  (puts the checkout on sys.path)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import MiB, PeakRSS, SavedBytes, init_worker, launch, machine, plot_panels, ratio, write_json
+from _common import (
+    MiB, PeakRSS, SavedBytes, arguments, finish, init_worker, launch, llama_config, machine, parser, plot_panels, ratio,
+)
 from ulysses_baseline import default_impl, init_deepspeed, local_shard, ulysses_loss, ulyssesify
 
 from lightning_autosp.backend import AutoSPBackend
@@ -53,7 +55,10 @@ REFERENCE = "ulysses_eager"
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(
+        __doc__, plot="peak memory against sequence length", threads=True,
+        model=dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768, vocab_size=512),
+    )
     p.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--seq-len", type=int, default=4096, help="sequence length of the timed steps")
@@ -61,19 +66,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--budget-mib", type=float, default=384.0, help="memory budget per process for the length search")
     p.add_argument("--search-start", type=int, default=1024)
     p.add_argument("--search-max", type=int, default=65536)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--n-heads", type=int, default=8)
-    p.add_argument("--n-kv-heads", type=int, default=4)
-    p.add_argument("--ffn-hidden", type=int, default=768)
-    p.add_argument("--vocab-size", type=int, default=512)
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     p.add_argument(
         "--ulysses-impl", choices=["deepspeed", "funcol"], default=default_impl(),
         help="hand-written baseline: DeepSpeed's DistributedAttention (default when installed) or our own",
     )
-    p.add_argument("--out", type=str, default=None, help="write the results as JSON here")
-    p.add_argument("--plot", type=str, default=None, help="peak memory against sequence length (PNG)")
     args = p.parse_args(argv)
     for n in args.nprocs:
         for S in (args.seq_len, args.search_start):
@@ -169,10 +165,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
 
 
 def run(rank: int, world: int, args: argparse.Namespace) -> dict:
-    cfg = LlamaConfig(
-        vocab_size=args.vocab_size, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
-        n_kv_heads=args.n_kv_heads, ffn_hidden=args.ffn_hidden, max_seq_len=args.search_max,
-    )
+    cfg = llama_config(args, max_seq_len=args.search_max)
     say = print if rank == 0 else (lambda *a, **k: None)
     impl = args.ulysses_impl
     version = init_deepspeed() if impl == "deepspeed" and any(n.startswith("ulysses") for n in args.variants) else None
@@ -250,10 +243,7 @@ def add_predictions(results: dict) -> None:
     import memory_model as mm
 
     a = results["args"]
-    cfg = LlamaConfig(
-        vocab_size=a["vocab_size"], dim=a["dim"], n_layers=a["n_layers"], n_heads=a["n_heads"],
-        n_kv_heads=a["n_kv_heads"], ffn_hidden=a["ffn_hidden"], max_seq_len=a["search_max"],
-    )
+    cfg = llama_config(a, max_seq_len=a["search_max"])
     S = a["seq_len"]
     for n, run_ in results["runs"].items():
         for name, r in run_["variants"].items():
@@ -330,14 +320,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     runs = {}
     for n in args.nprocs:
         runs[n] = launch(worker, n, args)
-    results = {"args": vars(args), "machine": machine(), "runs": runs, "wall_s": time.perf_counter() - t}
+    results = {"args": arguments(args), "machine": machine(), "runs": runs, "wall_s": time.perf_counter() - t}
     add_predictions(results)
-    print(markdown(results))
-    print(f"wall time {results['wall_s']:.0f}s")
-    write_json(results, args.out)
-    if args.plot:
-        plot(results, args.plot)
-    return results
+    return finish(results, args, markdown, plot)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from dataclasses import replace
 from typing import Optional
 
 import memory_model as mm
-from _common import GiB, machine, plot_panels, write_json
+from _common import GiB, arguments, finish, machine, parser, plot_panels
 
 from lightning_autosp.examples.models import LlamaConfig
 
@@ -58,15 +58,13 @@ PAPER = {"autosp_vs_handwritten": 2.7, "sac_vs_sp": 1.66, "vs_zero3_8b": 5.6}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, plot="per-rank memory against sequence length")
     p.add_argument("--models", nargs="+", choices=list(mm.PRESETS), default=list(mm.PRESETS))
     p.add_argument("--sp-size", type=int, default=8, help="SP group size = GPUs (one node)")
     p.add_argument("--gpu-gib", type=float, default=80.0, help="memory per GPU, GiB")
     p.add_argument("--usable", type=float, default=0.9, help="fraction of it a step may use")
     p.add_argument("--granule", type=int, default=1024, help="sequence lengths searched are multiples of this")
     p.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
-    p.add_argument("--out", type=str, default=None, help="write the results as JSON here")
-    p.add_argument("--plot", type=str, default=None, help="per-rank memory against sequence length (PNG)")
     args = p.parse_args(argv)
     if args.granule % args.sp_size:
         p.error(f"--granule ({args.granule}) must be a multiple of --sp-size ({args.sp_size})")
@@ -106,7 +104,7 @@ def pow2_floor(n: int) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     budget = args.gpu_gib * GiB * args.usable
-    out: dict = {"args": vars(args), "machine": machine(), "models": {}, "paper": PAPER}
+    out: dict = {"args": arguments(args), "machine": machine(), "models": {}, "paper": PAPER}
     for name in args.models:
         preset = mm.PRESETS[name]
         cfg = LlamaConfig(**preset["config"], max_seq_len=1 << 24)
@@ -218,12 +216,7 @@ def plot(res: dict, path: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
-    res = run(args)
-    print(markdown(res))
-    write_json(res, args.out)
-    if args.plot:
-        plot(res, args.plot)
-    return res
+    return finish(run(args), args, markdown, plot)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -12,16 +12,72 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 
-from lightning_autosp.memory.accounting import SavedActivations
+from lightning_autosp.memory.accounting import SavedActivations, empty_by_kind
 from lightning_autosp.passes import SPPassStats, sequence_parallel_pass
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner
 
-log = logging.getLogger(__name__)
-
-__all__ = ["AutoSPBackend", "SUPPORTED_BACKENDS"]
+__all__ = ["AutoSPBackend", "CompiledStep", "SUPPORTED_BACKENDS", "AOT_BACKENDS"]
 
 SUPPORTED_BACKENDS = ("inductor", "aot_eager", "eager")
-_AOT_BACKENDS = ("inductor", "aot_eager")
+#: the backends that build the AOT joint graph, which SAC partitions and whose saves are recorded
+AOT_BACKENDS = ("inductor", "aot_eager")
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """What AutoSP compiled for one step method, as it stood when read: later compiles and
+    calls do not change it (see :attr:`AutoSPStrategy.compiled_steps
+    <lightning_autosp.AutoSPStrategy.compiled_steps>`).
+
+    Attributes:
+        compile_backend: the backend run after the SP pass.
+        sac: the SAC configuration, ``None`` without SAC.
+        pass_stats: what the SP pass did to each graph Dynamo compiled for the step, in compile
+            order (:class:`~lightning_autosp.passes.SPPassStats`: attention calls rewritten,
+            all-to-alls inserted, ops run replicated).
+        saved_activations: one record per training graph compiled with an AOT backend (none for
+            inference graphs or ``"eager"``): the tensors its forward saves for backward and its
+            calls so far (:class:`~lightning_autosp.memory.accounting.SavedActivations`, whose
+            ``bytes_by_kind()`` sizes the latest call).
+    """
+
+    compile_backend: str
+    sac: Optional[SACConfig]
+    pass_stats: tuple[SPPassStats, ...]
+    saved_activations: tuple[SavedActivations, ...]
+
+    @property
+    def sdpa_rewritten(self) -> int:
+        """Attention calls the SP pass rewrote, over every graph."""
+        return sum(g.sdpa for g in self.pass_stats)
+
+    @property
+    def all_to_alls(self) -> int:
+        """All-to-alls the SP pass inserted into the forward, over every graph."""
+        return sum(g.all_to_all for g in self.pass_stats)
+
+    @property
+    def fallbacks(self) -> tuple[str, ...]:
+        """Ops run replicated (their sharded inputs all-gathered), over every graph."""
+        return tuple(f for g in self.pass_stats for f in g.fallbacks)
+
+    def saved_bytes_by_kind(self, since: Optional["CompiledStep"] = None) -> dict[str, int]:
+        """Bytes saved for backward per op kind (:data:`~lightning_autosp.memory.OP_KINDS`),
+        summed over the calls of every training graph made after ``since`` (an earlier
+        snapshot of the same step; ``None``: every call so far). Each graph's calls are sized
+        at the sequence length of its latest call: exact for one call per graph in between,
+        as between the start and the end of one training step.
+
+        Raises ``ValueError`` if a saved size depends on a symbol the graph inputs do not give.
+        """
+        before = since.saved_activations if since is not None else ()
+        out = empty_by_kind()
+        for i, record in enumerate(self.saved_activations):  # records are only ever appended
+            calls = record.calls - (before[i].calls if i < len(before) else 0)
+            if calls > 0:
+                for kind, nbytes in record.bytes_by_kind().items():
+                    out[kind] += calls * nbytes
+        return out
 
 
 @dataclass
@@ -29,15 +85,17 @@ class AutoSPBackend:
     """A ``torch.compile`` backend for one SP rank.
 
     Holds only plain values (the group travels by name), so it pickles and deep-copies.
-    ``graphs`` collects the :class:`SPPassStats` of every graph compiled through it.
+    ``pass_stats`` collects the :class:`SPPassStats` of every graph compiled through it;
+    :meth:`compiled_step` is a read-only snapshot of both records.
 
     With ``backend="aot_eager"`` or ``"inductor"`` the joint graph is partitioned by a
     :class:`~lightning_autosp.passes.sac.SACPartitioner` given to this compile only (AOT
     autograd's ``partition_fn``, or inductor's ``custom_partitioner_fn`` config patch): with
     ``sac`` set it applies sequence-aware activation checkpointing, and either way it records
-    the activations each training graph saves for backward in ``saved`` (one
-    :class:`~lightning_autosp.memory.SavedActivations` per graph, sized for its latest call).
-    Any other registered backend name is looked up and called unchanged (no SAC, no records).
+    the activations each training graph saves for backward in ``saved_activations`` (one
+    :class:`~lightning_autosp.memory.accounting.SavedActivations` per graph, sized for its
+    latest call). Any other registered backend name is looked up and called unchanged after the
+    SP pass; it gets no records, and ``sac`` is refused with it (``"eager"`` included).
     """
 
     sp_size: int
@@ -46,14 +104,14 @@ class AutoSPBackend:
     seq_dim: int = 1
     backend: str = "inductor"
     sac: Optional[SACConfig] = None
-    graphs: list[SPPassStats] = field(default_factory=list)
-    saved: list[SavedActivations] = field(default_factory=list, repr=False)
+    pass_stats: list[SPPassStats] = field(default_factory=list)
+    saved_activations: list[SavedActivations] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        if self.sac is not None and self.backend not in _AOT_BACKENDS and self.backend != "eager":
+        if self.sac is not None and self.backend not in AOT_BACKENDS:
             raise ValueError(
                 f"AutoSPBackend(backend={self.backend!r}, sac=...): sequence-aware activation checkpointing "
-                f"partitions the AOT joint graph, which only the {list(_AOT_BACKENDS)} backends expose here. "
+                f"partitions the AOT joint graph, which only the {list(AOT_BACKENDS)} backends expose here. "
                 "Use one of them or pass sac=None."
             )
 
@@ -61,10 +119,8 @@ class AutoSPBackend:
         gm = sequence_parallel_pass(
             gm, example_inputs, sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=self.group_name, seq_dim=self.seq_dim
         )
-        self.graphs.append(gm.meta["autosp"])
-        if self.backend not in _AOT_BACKENDS:
-            if self.sac is not None:
-                log.debug("AutoSP: backend %r runs eager autograd; SAC does not apply", self.backend)
+        self.pass_stats.append(gm.meta["autosp"])
+        if self.backend not in AOT_BACKENDS:
             return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
         partitioner = SACPartitioner(self.sac)
         compiled = self._compile_aot(gm, example_inputs, partitioner)
@@ -73,7 +129,7 @@ class AutoSPBackend:
         record = partitioner.records[-1]
         getters = _size_getters(gm)
         record.symbols = tuple(name for name, _, _ in getters)
-        self.saved.append(record)
+        self.saved_activations.append(record)
         return _recording_sizes(compiled, record, getters)
 
     def _compile_aot(self, gm: fx.GraphModule, example_inputs: list[Any], partitioner: SACPartitioner) -> Callable:
@@ -89,13 +145,22 @@ class AutoSPBackend:
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
 
+    def compiled_step(self) -> CompiledStep:
+        """A snapshot of what this backend compiled so far (copies: later calls leave it alone)."""
+        return CompiledStep(
+            compile_backend=self.backend,
+            sac=self.sac,
+            pass_stats=tuple(copy.deepcopy(g) for g in self.pass_stats),
+            saved_activations=tuple(r.snapshot() for r in self.saved_activations),
+        )
+
     @property
     def sdpa_rewritten(self) -> int:
-        return sum(g.sdpa for g in self.graphs)
+        return sum(g.sdpa for g in self.pass_stats)
 
     @property
     def max_shift(self) -> int:
-        return max((g.max_shift for g in self.graphs), default=0)
+        return max((g.max_shift for g in self.pass_stats), default=0)
 
 
 def _size_getters(gm: fx.GraphModule) -> list[tuple[str, int, Optional[int]]]:

@@ -5,7 +5,7 @@ arguments, so graphs that call them can be built and traced (fake kernels) with 
 group at all, and the FX graph cache keys stay free of Python objects.
 
 Backward of every op is its exact adjoint, which is what makes the SP rewrite produce the
-same gradients as one device:
+same gradients as one device (see ``docs/design.md``):
 
 ==================  ==========================  ===============================
 op                  forward                     backward

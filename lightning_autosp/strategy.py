@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
 from lightning_autosp._compat import graph_break_counter
-from lightning_autosp.backend import SUPPORTED_BACKENDS, AutoSPBackend
+from lightning_autosp.backend import AOT_BACKENDS, SUPPORTED_BACKENDS, AutoSPBackend, CompiledStep
 from lightning_autosp.batch_agreement import check_sp_batch_agreement
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.layout import SPLayout, check_sequence_fits, validate_layout, validate_sp_size
@@ -50,9 +51,11 @@ class AutoSPStrategy(DDPStrategy):
         sp_size: ranks per SP group. Must divide the devices per node (and so the world size).
             ``None`` uses one SP group per node (``sp_size = devices``).
         compile_backend: the ``torch.compile`` backend run after the SP pass: ``"inductor"``
-            (default), ``"aot_eager"`` (fast to compile, used by the tests) or ``"eager"``.
+            (default), ``"aot_eager"`` (fast to compile, used by the tests) or ``"eager"`` (eager
+            autograd: needs ``sac=False``).
         sac: sequence-aware activation checkpointing (needs ``compile_backend`` ``"inductor"`` or
-            ``"aot_eager"``): the partitioner recomputes projections, MLPs and norms in backward
+            ``"aot_eager"``; with ``"eager"`` it is a ``ValueError``, not a silent no-op): the
+            partitioner recomputes projections, MLPs and norms in backward
             instead of saving their outputs, while attention outputs (and what SDPA's backward
             needs) and every collective stay saved. Gradients are unchanged; no collective runs
             again in backward. ``False`` keeps PyTorch's default partition.
@@ -70,6 +73,9 @@ class AutoSPStrategy(DDPStrategy):
     The module can read its place in the layout from ``self.trainer.strategy``
     (:attr:`sp_size`, :attr:`sp_rank`, :attr:`sp_group`, :attr:`dp_size`, :attr:`dp_rank`,
     :attr:`dp_group`) or ``self.device_mesh`` (dims ``"dp"`` and ``"sp"``).
+
+    What was compiled, and what each training graph saves for backward, is read from
+    :attr:`compiled_steps` (used by :class:`~lightning_autosp.ActivationMemoryMonitor`).
     """
 
     strategy_name = "autosp"
@@ -100,6 +106,13 @@ class AutoSPStrategy(DDPStrategy):
         if compile_backend not in SUPPORTED_BACKENDS:
             raise ValueError(
                 f"AutoSPStrategy(compile_backend={compile_backend!r}): choose one of {list(SUPPORTED_BACKENDS)}."
+            )
+        if sac and compile_backend not in AOT_BACKENDS:
+            raise ValueError(
+                f"AutoSPStrategy(compile_backend={compile_backend!r}, sac=True): sequence-aware activation "
+                f"checkpointing partitions the AOT joint graph, which only {list(AOT_BACKENDS)} build "
+                f"({compile_backend!r} keeps autograd eager). Pass sac=False to compile with {compile_backend!r}, "
+                "or compile_backend='aot_eager' or 'inductor' to keep SAC."
             )
         if not isinstance(seq_dim, int) or seq_dim < 1:
             raise ValueError(
@@ -163,6 +176,21 @@ class AutoSPStrategy(DDPStrategy):
     @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.device_mesh.get_group("dp")
+
+    # ------------------------------------------------------------------ what was compiled
+    @property
+    def compiled_steps(self) -> Mapping[str, CompiledStep]:
+        """What AutoSP compiled, per step method (``"training_step"``, ``"validation_step"``,
+        ``"test_step"``, ``"predict_step"``), from ``setup`` until ``teardown``.
+
+        A read-only mapping of :class:`~lightning_autosp.backend.CompiledStep` snapshots taken
+        when the property is read: per graph, what the SP pass did (``pass_stats``; summed in
+        ``sdpa_rewritten``, ``all_to_alls``, ``fallbacks``) and, with an AOT ``compile_backend``,
+        what each training graph saves for backward (``saved_activations``;
+        ``saved_bytes_by_kind(since=earlier_snapshot)`` sums the calls in between). A step
+        appears at ``setup``; its graphs once the step has run.
+        """
+        return MappingProxyType({name: backend.compiled_step() for name, backend in self._backends.items()})
 
     def _validate_layout(self) -> SPLayout:
         return validate_layout(self.sp_size, self.num_nodes * self.num_processes, self.num_processes)
@@ -261,7 +289,7 @@ class AutoSPStrategy(DDPStrategy):
                 "`torch.nn.functional.scaled_dot_product_attention` (for Hugging Face models: "
                 "attn_implementation='sdpa'). Hand-written attention (softmax(q @ k.T)) is not supported."
             )
-        for g in backend.graphs:
+        for g in backend.pass_stats:
             if g.fallbacks:
                 log.warning("AutoSP ran %d op(s) of %s replicated: %s", len(g.fallbacks), step, "; ".join(g.fallbacks))
         self._checked.add(step)

@@ -175,7 +175,7 @@ class Recorder(L.Callback):
     def _save_eval(self, trainer):
         st = trainer.strategy
         if isinstance(st, AutoSPStrategy):
-            self.rec["graphs"] = {k: b.graphs for k, b in st._backends.items()}
+            self.rec["graphs"] = {k: list(c.pass_stats) for k, c in st.compiled_steps.items()}
         torch.save(self.rec, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
     def on_test_end(self, trainer, pl_module):
@@ -192,7 +192,7 @@ class Recorder(L.Callback):
         if isinstance(st, AutoSPStrategy):
             self.rec["sp_group"] = dist.get_process_group_ranks(st.sp_group)
             self.rec["dp_group"] = dist.get_process_group_ranks(st.dp_group)
-            self.rec["graphs"] = {k: b.graphs for k, b in st._backends.items()}
+            self.rec["graphs"] = {k: list(c.pass_stats) for k, c in st.compiled_steps.items()}
         torch.save(self.rec, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 

@@ -7,14 +7,17 @@ import re
 
 import lightning as L
 import pytest
+import sympy
 import torch
 from sp_harness import LMModule, TokenData, free_port
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_autosp import ActivationMemoryMonitor, AutoSPStrategy
+from lightning_autosp.backend import CompiledStep
+from lightning_autosp.memory.accounting import OP_KINDS, EagerSavedTensors, SavedActivations, SavedTensor, op_kind
 from lightning_autosp.memory.monitor import format_summary, plot_saved_bytes, summarize
-from lightning_autosp.memory.accounting import OP_KINDS, EagerSavedTensors, op_kind
+from lightning_autosp.passes import SPPassStats
 
 KEYS = [f"saved_{k}_bytes" for k in (*OP_KINDS, "total")] + ["peak_bytes"]
 
@@ -65,8 +68,40 @@ def test_eager_measurement_exact():
     tracker.start(block)
     block(x)
     assert tracker.stop() == want
+    assert tracker.hooked
     tracker.close()
-    assert not tracker._handles
+    assert not tracker.hooked
+
+
+def test_compiled_step_snapshot_and_bytes_since():
+    """The read-only view the monitor reads: a snapshot does not follow later calls, and
+    ``saved_bytes_by_kind(since=...)`` counts the calls after the earlier snapshot (sized at the
+    latest call's length); a graph compiled after that snapshot counts all its calls."""
+    s0 = sympy.Symbol("s0")
+    tensors = [
+        SavedTensor(name="attn", kind="attention", nbytes=8 * s0, shape=("s0", "2"), dtype="float32"),
+        SavedTensor(name="mm", kind="linear", nbytes=sympy.Integer(64), shape=("16",), dtype="float32"),
+    ]
+    live = SavedActivations(tensors=tensors, symbols=("s0",), binding=(10,), calls=1)
+
+    def view(*records):
+        return CompiledStep("aot_eager", None, (SPPassStats(sdpa=1, all_to_all=4),), tuple(r.snapshot() for r in records))
+
+    before = view(live)
+    live.calls, live.binding = 3, (20,)  # two more calls, the latest at s0 = 20
+    late = SavedActivations(tensors=tensors[1:], calls=1)  # a graph compiled after `before`
+    after = view(live, late)
+    assert before.saved_activations[0].calls == 1 and before.saved_activations[0].bytes_by_kind()["attention"] == 80
+    assert after.saved_activations[0].bytes_by_kind() == {**dict.fromkeys(OP_KINDS, 0), "attention": 160, "linear": 64}
+    got = after.saved_bytes_by_kind(since=before)
+    assert got == {**dict.fromkeys(OP_KINDS, 0), "attention": 2 * 160, "linear": 2 * 64 + 64}
+    assert after.saved_bytes_by_kind()["linear"] == 3 * 64 + 64  # every call so far
+    assert (after.sdpa_rewritten, after.all_to_alls, after.fallbacks) == (1, 4, ())
+    with pytest.raises(AttributeError):
+        after.pass_stats = ()  # frozen
+    unbound = SavedActivations(tensors=tensors, calls=1)  # s0 never bound
+    with pytest.raises(ValueError, match="unbound symbols"):
+        view(unbound).saved_bytes_by_kind()
 
 
 def test_summary_table_and_plot(tmp_path):

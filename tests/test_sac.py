@@ -1,6 +1,6 @@
 """Sequence-aware activation checkpointing: the policy, its invariants, and its scope.
 
-Invariants (ISSUE: SAC): gradients identical with and without SAC; exactly 4 all-to-alls per
+Invariants: gradients identical with and without SAC; exactly 4 all-to-alls per
 attention call in backward (no collective recomputed), also under a memory budget; fewer
 bytes saved for backward; a plain ``torch.compile`` elsewhere in the process is unaffected.
 """
@@ -83,10 +83,15 @@ def test_yaml(tmp_path):
     assert mon.every_n_steps == 10
 
 
-def test_backend_rejects_sac_without_aot():
-    with pytest.raises(ValueError, match="only the \\['inductor', 'aot_eager'\\] backends"):
-        AutoSPBackend(sp_size=2, sp_rank=0, group_name="unused", backend="autosp_test_counting", sac=SACConfig())
-    AutoSPBackend(sp_size=2, sp_rank=0, group_name="unused", backend="eager", sac=SACConfig())  # eager autograd: no-op
+def test_sac_without_aot_backend_is_refused():
+    """SAC partitions the AOT joint graph: with eager autograd it is an error, not a silent no-op."""
+    for backend in ("autosp_test_counting", "eager"):
+        with pytest.raises(ValueError, match="only the \\['inductor', 'aot_eager'\\] backends"):
+            AutoSPBackend(sp_size=2, sp_rank=0, group_name="unused", backend=backend, sac=SACConfig())
+    AutoSPBackend(sp_size=2, sp_rank=0, group_name="unused", backend="eager", sac=None)
+    with pytest.raises(ValueError, match=r"compile_backend='eager', sac=True\).*Pass sac=False"):
+        AutoSPStrategy(sp_size=2, compile_backend="eager")
+    assert AutoSPStrategy(sp_size=2, compile_backend="eager", sac=False).compile_backend == "eager"
 
 
 # ----------------------------------------------------------------------------- policy, one process
@@ -239,6 +244,7 @@ def _sp_worker(rank, world):
         torch._dynamo.mark_dynamic(x, 1)
         torch._dynamo.mark_dynamic(y, 1)
         step(x, y)  # compiles
+        first = backend.compiled_step()  # a snapshot: the calls below leave it alone
         # a new sequence length, same graph: what autograd really keeps, and the backward's collectives
         x, y = _batch(48, seed=1)
         inputs = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), x, y)}
@@ -254,13 +260,16 @@ def _sp_worker(rank, world):
         count = _CountAllToAll()
         with count:
             loss.backward()
-        (rec,) = backend.saved
+        compiled = backend.compiled_step()
+        (rec,) = compiled.saved_activations
         out[name] = dict(
             loss=loss.item(),
             grads={n: p.grad.clone() for n, p in model.named_parameters()},
             bw_all_to_all=count.n,
-            sdpa=backend.sdpa_rewritten,
+            sdpa=compiled.sdpa_rewritten,
             calls=rec.calls,
+            first_calls=first.saved_activations[0].calls,
+            since_first=compiled.saved_bytes_by_kind(since=first),
             kept_bytes=sum(kept.values()),
             by_kind=rec.bytes_by_kind(),
             recomputed=rec.recomputed,
@@ -277,6 +286,7 @@ def test_sp_invariants(tmp_path):
         off, on, budget = res["off"], res["on"], res["on_budget"]
         for name, x in res.items():
             assert x["sdpa"] == 1 and x["calls"] == 2, name  # one graph serves both lengths
+            assert x["first_calls"] == 1 and x["since_first"] == x["by_kind"], name  # the call after the snapshot
             assert not x["warnings"], x["warnings"]  # the tags held: no fallback partition
             assert x["bw_all_to_all"] == 4 * x["sdpa"], (name, x["bw_all_to_all"])  # none recomputed
             assert x["collectives"] == off["collectives"], name

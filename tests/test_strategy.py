@@ -102,3 +102,10 @@ def test_ddp_kwargs_pass_through():
     s = AutoSPStrategy(sp_size=2, process_group_backend="gloo", start_method="fork", timeout=timedelta(seconds=30), find_unused_parameters=True)
     assert s.process_group_backend == "gloo" and s._start_method == "fork"
     assert s._timeout == timedelta(seconds=30) and s._ddp_kwargs == {"find_unused_parameters": True}
+
+
+def test_compiled_steps_is_a_read_only_view():
+    st = AutoSPStrategy(sp_size=2)
+    assert dict(st.compiled_steps) == {}  # nothing compiled before setup
+    with pytest.raises(TypeError):
+        st.compiled_steps["training_step"] = None  # type: ignore[index]

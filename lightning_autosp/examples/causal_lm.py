@@ -92,7 +92,7 @@ class CausalLMModule(LightningModule):
 
     def training_step(self, batch: Dict[str, Tensor], batch_idx: int) -> Tensor:
         logits = self(batch["input_ids"])
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), batch["labels"].view(-1), ignore_index=-100)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), batch["labels"].view(-1), ignore_index=IGNORE_INDEX)
         _update(self.train_acc, logits.detach().argmax(-1), batch["labels"])
         self.log("train_loss", loss, prog_bar=True)
         self.log("train_acc", self.train_acc, prog_bar=True)
@@ -100,7 +100,7 @@ class CausalLMModule(LightningModule):
 
     def validation_step(self, batch: Dict[str, Tensor], batch_idx: int) -> Tensor:
         logits = self(batch["input_ids"])
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), batch["labels"].view(-1), ignore_index=-100)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), batch["labels"].view(-1), ignore_index=IGNORE_INDEX)
         _update(self.val_acc, logits.argmax(-1), batch["labels"])
         self.log("val_loss", loss, prog_bar=True, on_step=False, on_epoch=True)
         self.log("val_acc", self.val_acc, prog_bar=True, on_step=False, on_epoch=True)

@@ -18,10 +18,9 @@ counted. Views are resolved to the tensor they alias, and each allocation counts
 
 from __future__ import annotations
 
-import logging
 import operator
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import sympy
@@ -30,12 +29,14 @@ import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-log = logging.getLogger(__name__)
-
 __all__ = [
     "OP_KINDS",
+    "COLLECTIVE_NAMESPACES",
     "op_kind",
+    "qualified_op_name",
     "node_kind",
+    "is_alias",
+    "producer",
     "SavedTensor",
     "SavedActivations",
     "list_saved_activations",
@@ -52,7 +53,8 @@ __all__ = [
 #: everything else (residual adds, RoPE tables, masks).
 OP_KINDS = ("attention", "all_to_all", "linear", "norm", "embedding", "loss", "other")
 
-_COLLECTIVE_NAMESPACES = frozenset({"autosp", "_c10d_functional", "c10d_functional"})
+#: namespaces of the collective ops (AutoSP's and torch's functional collectives)
+COLLECTIVE_NAMESPACES = frozenset({"autosp", "_c10d_functional", "c10d_functional"})
 _BY_OP: dict[str, str] = {}
 for _kind, _names in {
     "attention": (
@@ -108,7 +110,7 @@ def op_kind(op_name: str, module_type: Optional[str] = None) -> str:
     and, for ops with no kind of their own (elementwise, reductions), the class name of the
     innermost module it ran in (``"RMSNorm"`` -> ``norm``, ``"FeedForward"`` -> ``linear``)."""
     ns, _, name = op_name.rpartition("::")
-    if ns in _COLLECTIVE_NAMESPACES:
+    if ns in COLLECTIVE_NAMESPACES:
         return "all_to_all"
     kind = _BY_OP.get(name)
     if kind is not None:
@@ -121,7 +123,8 @@ def op_kind(op_name: str, module_type: Optional[str] = None) -> str:
     return "other"
 
 
-def _op_name(target: Any) -> Optional[str]:
+def qualified_op_name(target: Any) -> Optional[str]:
+    """The qualified name (``"aten::mm"``) of an aten/custom op target, else ``None``."""
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.name
     if isinstance(target, torch._ops.OpOverloadPacket):
@@ -129,7 +132,7 @@ def _op_name(target: Any) -> Optional[str]:
     return None
 
 
-def _is_alias(target: Any) -> bool:
+def is_alias(target: Any) -> bool:
     """Ops whose output shares its input's storage (views, and ``_unsafe_view``)."""
     return isinstance(target, torch._ops.OpOverload) and (
         target.is_view or target._overloadpacket in (torch.ops.aten._unsafe_view, torch.ops.aten.alias)
@@ -152,7 +155,7 @@ def _innermost_module_type(node: fx.Node) -> Optional[str]:
 
 def producer(node: fx.Node) -> fx.Node:
     """The node whose allocation ``node`` aliases (walks back through views)."""
-    while node.op == "call_function" and _is_alias(node.target) and node.args and isinstance(node.args[0], fx.Node):
+    while node.op == "call_function" and is_alias(node.target) and node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
@@ -166,7 +169,7 @@ def node_kind(node: fx.Node) -> str:
     if node.op != "call_function":
         return "other"
     # inductor decomposes before partitioning; ``original_aten`` keeps the op it came from
-    name = _op_name(node.meta.get("original_aten")) or _op_name(node.target)
+    name = qualified_op_name(node.meta.get("original_aten")) or qualified_op_name(node.target)
     return op_kind(name, _innermost_module_type(node)) if name else "other"
 
 
@@ -195,7 +198,9 @@ class SavedActivations:
     """The tensors one compiled training graph saves for backward, and what its partition did.
 
     ``tensors`` have symbolic sizes; :meth:`bytes_by_kind` evaluates them for the sequence
-    length of the latest call (``binding``, set by the backend before every call).
+    length of the latest call. The AutoSP backend counts the calls and sets ``binding`` before
+    every call; :meth:`snapshot` is a copy that later calls leave alone (what
+    :attr:`AutoSPStrategy.compiled_steps <lightning_autosp.AutoSPStrategy.compiled_steps>` hands out).
     """
 
     tensors: list[SavedTensor]
@@ -209,7 +214,13 @@ class SavedActivations:
     #: names of the size symbols (``"s0"``) and their values in the latest call
     symbols: tuple[str, ...] = ()
     binding: tuple[int, ...] = ()
-    _cache: dict = field(default_factory=dict, repr=False)
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def snapshot(self) -> "SavedActivations":
+        """A copy whose ``calls`` and ``binding`` stay as they are now."""
+        copy = replace(self, tensors=list(self.tensors), recomputed=dict(self.recomputed))
+        copy._cache = self._cache  # same tensors: the sizes per binding are shared
+        return copy
 
     def bytes_by_kind(self, binding: Optional[Mapping[str, int]] = None) -> dict[str, int]:
         """Bytes saved per op kind by one call; ``binding`` maps size-symbol names to values
@@ -232,10 +243,6 @@ class SavedActivations:
             g = group(t)
             out[g] = out.get(g, 0) + _evaluate(t.nbytes, binding, t.name)
         return out
-
-    @property
-    def total_expr(self) -> sympy.Expr:
-        return sympy.expand(sum((t.nbytes for t in self.tensors), sympy.Integer(0)))
 
 
 def _evaluate(expr: sympy.Expr, binding: Mapping[str, int], name: str) -> int:
@@ -283,7 +290,7 @@ def list_saved_activations(fw: fx.GraphModule, num_fwd_outputs: int) -> list[Sav
     return saved
 
 
-def count_ops(gm: fx.GraphModule, namespaces: Iterable[str] = _COLLECTIVE_NAMESPACES) -> int:
+def count_ops(gm: fx.GraphModule, namespaces: Iterable[str] = COLLECTIVE_NAMESPACES) -> int:
     ns = set(namespaces)
     return sum(
         1 for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in ns
@@ -316,7 +323,7 @@ class _ProducerMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if _is_alias(func):
+        if is_alias(func):
             return out
         ins = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         kind = None
@@ -370,6 +377,11 @@ class EagerSavedTensors:
             self._handles.append(m.register_forward_pre_hook(pre))
             self._handles.append(m.register_forward_hook(post, always_call=True))
         self._hooked = weakref.ref(module)
+
+    @property
+    def hooked(self) -> bool:
+        """Whether module hooks are registered (from the first :meth:`start` until :meth:`close`)."""
+        return bool(self._handles)
 
     def close(self) -> None:
         if self.active:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import resource
 import sys
@@ -14,18 +13,16 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_autosp.memory.accounting import OP_KINDS, EagerSavedTensors, SavedActivations, empty_by_kind
+from lightning_autosp.backend import AOT_BACKENDS, CompiledStep
+from lightning_autosp.memory.accounting import OP_KINDS, EagerSavedTensors
 from lightning_autosp.strategy import AutoSPStrategy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-log = logging.getLogger(__name__)
-
-__all__ = ["ActivationMemoryMonitor", "plot_saved_bytes", "format_summary"]
+__all__ = ["ActivationMemoryMonitor", "plot_saved_bytes", "format_summary", "summarize"]
 
 _MiB = float(1 << 20)
-_AOT_BACKENDS = ("aot_eager", "inductor")
 
 
 class ActivationMemoryMonitor(Callback):
@@ -35,7 +32,8 @@ class ActivationMemoryMonitor(Callback):
 
     * under AutoSP (``compile_backend="aot_eager"`` or ``"inductor"``) the figures are those of the
       compiled training graph: the tensors its forward hands to its backward, after the SAC
-      partition, sized for the step's sequence length (no runtime overhead);
+      partition, sized for the step's sequence length (no runtime overhead), read from
+      :attr:`AutoSPStrategy.compiled_steps <lightning_autosp.AutoSPStrategy.compiled_steps>`;
     * otherwise (one device, plain DDP) one eager forward is instrumented: every allocation is
       attributed to the aten op and module that made it, and every tensor autograd saves is
       counted once per allocation (some overhead on measured steps; see ``every_n_steps``).
@@ -92,21 +90,18 @@ class ActivationMemoryMonitor(Callback):
         self._measuring = False
         self._step = 0
         self._mode: Optional[str] = None
-        self._calls: dict[int, int] = {}
+        self._before: Optional[CompiledStep] = None
         self._by_kind: Optional[dict[str, int]] = None
         self._warned = False
 
     # ---------------------------------------------------------------- sources
     @staticmethod
-    def _compiled_records(trainer: "pl.Trainer") -> Optional[list[SavedActivations]]:
-        """The training graph records of an AutoSP strategy with an AOT backend, else ``None``."""
+    def _compiled_training_step(trainer: "pl.Trainer") -> Optional[CompiledStep]:
+        """What an AutoSP strategy with an AOT backend compiled for ``training_step``, else ``None``."""
         st = trainer.strategy
-        if not isinstance(st, AutoSPStrategy):
+        if not isinstance(st, AutoSPStrategy) or st.compile_backend not in AOT_BACKENDS:
             return None
-        if st.compile_backend not in _AOT_BACKENDS:
-            return None
-        backend = st._backends.get("training_step")
-        return None if backend is None else backend.saved
+        return st.compiled_steps.get("training_step")
 
     @staticmethod
     def _uses_autosp(trainer: "pl.Trainer") -> bool:
@@ -122,10 +117,10 @@ class ActivationMemoryMonitor(Callback):
             return
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
-        records = self._compiled_records(trainer)
-        if records is not None:
+        compiled = self._compiled_training_step(trainer)
+        if compiled is not None:
             self._mode = "compiled"
-            self._calls = {id(r): r.calls for r in records}
+            self._before = compiled
         elif self._uses_autosp(trainer):
             self._mode = None  # compiled with eager autograd: no saved-activation figures
             if not self._warned:
@@ -177,23 +172,16 @@ class ActivationMemoryMonitor(Callback):
             if self._eager.active:  # no backward this batch (skipped step)
                 self._by_kind = self._eager.stop()
             return self._by_kind
-        if self._mode == "compiled":
-            records = self._compiled_records(trainer) or []
-            out = empty_by_kind()
-            for rec in records:
-                n = rec.calls - self._calls.get(id(rec), 0)
-                if n <= 0:
-                    continue
-                try:
-                    for k, v in rec.bytes_by_kind().items():
-                        out[k] += n * v
-                except ValueError as err:  # a size that the graph inputs do not determine
-                    if not self._warned:
-                        rank_zero_warn(f"ActivationMemoryMonitor: cannot size a compiled graph's saved tensors: {err}")
-                        self._warned = True
-                    return None
-            return out
-        return None
+        compiled = self._compiled_training_step(trainer) if self._mode == "compiled" else None
+        if compiled is None:
+            return None
+        try:
+            return compiled.saved_bytes_by_kind(since=self._before)
+        except ValueError as err:  # a size that the graph inputs do not determine
+            if not self._warned:
+                rank_zero_warn(f"ActivationMemoryMonitor: cannot size a compiled graph's saved tensors: {err}")
+                self._warned = True
+            return None
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -32,8 +32,8 @@ import contextlib
 import logging
 import operator
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -45,7 +45,7 @@ from lightning_autosp.memory import accounting as memory
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.memory.accounting import OP_KINDS, SavedActivations, list_saved_activations, node_kind
 
-__all__ = ["SACConfig", "SACStats", "RECOMPUTABLE_KINDS", "sac_tag_pass", "SACPartitioner"]
+__all__ = ["SACConfig", "RECOMPUTABLE_KINDS", "sac_tag_pass", "SACPartitioner"]
 
 log = logging.getLogger(__name__)
 
@@ -101,20 +101,12 @@ class SACConfig:
         object.__setattr__(self, "memory_budget", float(b))
 
 
-@dataclass
-class SACStats:
-    """What :func:`sac_tag_pass` tagged (also stored as ``gm.meta["autosp_sac"]``)."""
-
-    must_save: Counter = field(default_factory=Counter)
-    recompute: Counter = field(default_factory=Counter)
-
-
 def _is_collective(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in memory._COLLECTIVE_NAMESPACES
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in memory.COLLECTIVE_NAMESPACES
 
 
 def _is_attention(node: fx.Node) -> bool:
-    name = memory._op_name(node.target) if node.op == "call_function" else None
+    name = memory.qualified_op_name(node.target) if node.op == "call_function" else None
     return name is not None and memory.op_kind(name) == "attention"
 
 
@@ -152,26 +144,24 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
     outputs of a multi-output op tagged like the op; nothing else is tagged.
     """
     fwd = forward_nodes(joint, num_fwd_outputs)
-    stats = SACStats()
 
-    def save(n: fx.Node, why: str) -> None:
-        if n.op == "call_function" and n.meta.get("recompute") is not CheckpointPolicy.MUST_SAVE:
+    def save(n: fx.Node) -> None:
+        if n.op == "call_function":
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-            stats.must_save[why] += 1
 
     for node in joint.graph.nodes:
         if node.op != "call_function" or node not in fwd:
             continue
         if _is_collective(node):
-            save(node, "all_to_all")
+            save(node)
         elif _is_attention(node):
-            save(node, "attention")
+            save(node)
             for u in node.users:
                 if u.target is operator.getitem:
-                    save(u, "attention")
+                    save(u)
             for a in node.all_input_nodes:
                 if isinstance(a.meta.get("val"), torch.Tensor):
-                    save(a, "attention")
+                    save(a)
     for node in joint.graph.nodes:
         if node.op != "call_function" or node not in fwd or "recompute" in node.meta:
             continue
@@ -181,8 +171,6 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
         if kind in config.recompute:
             for n in (node, *(u for u in node.users if u.target is operator.getitem)):
                 n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-            stats.recompute[kind] += 1
-    joint.meta["autosp_sac"] = stats
     return joint
 
 
@@ -191,7 +179,7 @@ def _recomputed_ops(fw: fx.GraphModule, bw: fx.GraphModule) -> dict[str, int]:
     counts: Counter = Counter()
     for n in bw.graph.nodes:
         if n.op == "call_function" and n.name in fw_names:
-            name = memory._op_name(n.target) or getattr(n.target, "__name__", str(n.target))
+            name = memory.qualified_op_name(n.target) or getattr(n.target, "__name__", str(n.target))
             counts[name.rpartition("::")[2]] += 1
     return dict(counts)
 
@@ -199,17 +187,29 @@ def _recomputed_ops(fw: fx.GraphModule, bw: fx.GraphModule) -> dict[str, int]:
 class SACPartitioner(CustomPartitionerFn):
     """The partition function of one AutoSP compile.
 
-    ``config=None``: PyTorch's min-cut partition unchanged (only the bookkeeping is added).
-    Otherwise :func:`sac_tag_pass`, then the min-cut partition under ``config.memory_budget``.
-    Either way the result is checked - no collective and no attention op of the forward runs
-    again in backward - and the saved activations of the forward graph are appended to
-    :attr:`records`.
+    ``config=None``: ``partition_fn`` unchanged (only the bookkeeping is added). Otherwise
+    :func:`sac_tag_pass`, then ``partition_fn`` under ``config.memory_budget``. Either way the
+    result is checked - no collective and no attention op of the forward runs again in
+    backward - and the saved activations of the forward graph are appended to :attr:`records`.
 
     Usable as AOT autograd's ``partition_fn`` and as inductor's ``custom_partitioner_fn``.
+
+    Args:
+        config: the SAC policy, or ``None`` for no tags.
+        partition_fn: the AOT partition function that splits the (tagged) joint graph, with
+            AOT autograd's signature ``(joint, joint_inputs, *, num_fwd_outputs, ...) -> (fw, bw)``.
+            The default, PyTorch's min-cut partitioner, is the one that honours the tags;
+            ``torch._functorch.partitioners.default_partition`` saves what eager autograd saves
+            (the memory benchmark's eager baselines).
     """
 
-    def __init__(self, config: Optional[SACConfig] = None) -> None:
+    def __init__(
+        self,
+        config: Optional[SACConfig] = None,
+        partition_fn: Callable[..., tuple[fx.GraphModule, fx.GraphModule]] = min_cut_rematerialization_partition,
+    ) -> None:
         self.config = config
+        self.partition_fn = partition_fn
         self.records: list[SavedActivations] = []
 
     def __call__(
@@ -250,13 +250,12 @@ class SACPartitioner(CustomPartitionerFn):
         )
         return fw, bw
 
-    @staticmethod
     def _partition(
-        gm: fx.GraphModule, joint_inputs: Sequence[object], budget: float, kwargs: dict
+        self, gm: fx.GraphModule, joint_inputs: Sequence[object], budget: float, kwargs: dict
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         ctx = torch._functorch.config.patch(activation_memory_budget=budget) if budget < 1 else contextlib.nullcontext()
         with ctx:
-            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+            return self.partition_fn(gm, joint_inputs, **kwargs)
 
     @staticmethod
     def _violation(joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> Optional[str]:
@@ -282,11 +281,13 @@ class SACPartitioner(CustomPartitionerFn):
 
     # inductor's cache keys the compiled graph on this; the records are not part of it
     def uuid(self) -> Any:
-        return (get_hash_for_files((__file__, memory.__file__)), repr(self.config))
+        partition = f"{self.partition_fn.__module__}.{self.partition_fn.__qualname__}"
+        return (get_hash_for_files((__file__, memory.__file__)), repr(self.config), partition)
 
     def __getstate__(self) -> dict:
-        return {"config": self.config}
+        return {"config": self.config, "partition_fn": self.partition_fn}
 
     def __setstate__(self, state: dict) -> None:
         self.config = state["config"]
+        self.partition_fn = state["partition_fn"]
         self.records = []

@@ -126,10 +126,6 @@ class GPT(nn.Module):
         self.head.weight = self.wte.weight  # tied
         self.reset_parameters()
 
-    @classmethod
-    def from_config(cls, config: GPTConfig) -> "GPT":
-        return cls(config)
-
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights, zero biases; residual projections scaled by ``1/sqrt(2 * n_layers)``.
 

@@ -206,10 +206,6 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D / 2]
         self.reset_parameters()
 
-    @classmethod
-    def from_config(cls, config: LlamaConfig) -> "Llama":
-        return cls(config)
-
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights; residual output projections scaled by ``1/sqrt(2 * n_layers)``.
 
