@@ -1,12 +1,45 @@
-"""Every torch version gate of the package lives here."""
+"""Every torch and Lightning version gate of the package lives here.
+
+The supported ranges are the versions the compatibility subset (``make test-compat``, the
+tests marked ``compat``) passed on; ``pyproject.toml`` declares the same ranges (a test checks
+it) and the README lists the versions tried and when. Importing ``lightning_autosp`` with a
+torch or Lightning outside them raises ``ImportError`` at once instead of failing later inside
+a compile or the CLI.
+"""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+
+
+@dataclass(frozen=True)
+class SupportedRange:
+    """``minimum <= version < below``, compared on the release numbers (``2.9.1+cu128`` is 2.9.1)."""
+
+    package: str
+    minimum: str
+    below: str
+
+    @property
+    def requirement(self) -> str:
+        """The pip requirement, as written in ``pyproject.toml``."""
+        return f"{self.package}>={self.minimum},<{self.below}"
+
+    def contains(self, version: str) -> bool:
+        return release(self.minimum) <= release(version) < release(self.below)
+
+
+#: oldest tested 2.9.1, newest 2.15.0. 2.8 and older are untested.
+TORCH_RANGE = SupportedRange("torch", "2.9", "2.16")
+#: oldest tested 2.5.0, newest 2.6.6. Lightning 2.4.0's LightningCLI puts its internal
+#: ``_class_path`` into the hparams of both the model and the data module and then refuses to
+#: merge them ("Error while merging hparams"); 2.5.0 skips that key.
+LIGHTNING_RANGE = SupportedRange("lightning", "2.5", "2.7")
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -16,6 +49,21 @@ def release(version: str) -> tuple[int, ...]:
     if match is None:
         raise ValueError(f"cannot read a release number from version {version!r}")
     return tuple(int(part) for part in match.group(0).split("."))
+
+
+def check_versions(torch_version: str, lightning_version: str) -> None:
+    """Raise ``ImportError`` naming every installed version outside its supported range."""
+    problems = [
+        f"{supported.package} {version} is installed, but lightning-autosp supports {supported.requirement}"
+        for supported, version in ((TORCH_RANGE, torch_version), (LIGHTNING_RANGE, lightning_version))
+        if not supported.contains(version)
+    ]
+    if problems:
+        raise ImportError(
+            "lightning-autosp: " + "; ".join(problems) + ". Install a supported version "
+            f"(pip install '{TORCH_RANGE.requirement}' '{LIGHTNING_RANGE.requirement}'); "
+            "the README's 'Tested versions' lists what was run."
+        )
 
 
 TORCH_VERSION = release(torch.__version__)
