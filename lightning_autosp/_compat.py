@@ -34,12 +34,16 @@ class SupportedRange:
         return release(self.minimum) <= release(version) < release(self.below)
 
 
-#: oldest tested 2.9.1, newest 2.15.0. 2.8 and older are untested.
-TORCH_RANGE = SupportedRange("torch", "2.9", "2.16")
-#: oldest tested 2.5.0, newest 2.6.6. Lightning 2.4.0's LightningCLI puts its internal
+#: oldest tested 2.9.1, newest 2.13.0; 2.8 and older untested. 2.15.0 fails the compatibility
+#: subset: a process forked after autograd ran in its parent raises "Unable to handle autograd's
+#: threading in combination with fork-based multiprocessing" (start_method="fork"); 2.14 untested.
+TORCH_RANGE = SupportedRange("torch", "2.9", "2.14")
+#: oldest tested 2.5.3, newest 2.6.6. Lightning 2.4.0's LightningCLI puts its internal
 #: ``_class_path`` into the hparams of both the model and the data module and then refuses to
-#: merge them ("Error while merging hparams"); 2.5.0 skips that key.
-LIGHTNING_RANGE = SupportedRange("lightning", "2.5", "2.7")
+#: merge them ("Error while merging hparams"); 2.5.0 skips that key. 2.5.0 - 2.5.2's
+#: RichProgressBar calls ``Console.clear_live()`` on an empty live stack with rich >= 14.1
+#: (IndexError at the start of fit); 2.5.3 checks first.
+LIGHTNING_RANGE = SupportedRange("lightning", "2.5.3", "2.7")
 
 
 def release(version: str) -> tuple[int, ...]:
