@@ -41,7 +41,7 @@ TORCH_RANGE = SupportedRange("torch", "2.9", "2.14")
 #: oldest tested 2.5.3, newest 2.6.6. Lightning 2.4.0's LightningCLI puts its internal
 #: ``_class_path`` into the hparams of both the model and the data module and then refuses to
 #: merge them ("Error while merging hparams"); 2.5.0 skips that key. 2.5.0 - 2.5.2's
-#: RichProgressBar calls ``Console.clear_live()`` on an empty live stack with rich >= 14.1
+#: RichProgressBar calls ``Console.clear_live()`` on an empty live stack with rich 15.0
 #: (IndexError at the start of fit); 2.5.3 checks first.
 LIGHTNING_RANGE = SupportedRange("lightning", "2.5.3", "2.7")
 
