@@ -2,12 +2,29 @@
 #   make demo   - the main job: long-context KV recall, 2 CPU processes, sequence parallel (sp=2)
 #   make test   - the test suite
 #   make benchmarks - every benchmark, then BENCHMARKS.md (about 15 minutes on 2 cores)
+#   make test-compat TORCH_SPEC=torch==2.9.1 [LIGHTNING_SPEC=lightning==2.5.0]
+#                   - the compatibility subset against another torch / Lightning, in its own
+#                     venv (COMPAT_VENV, default .venv-compat-<specs>); .venv is left alone
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch 2.13 CPU build; on a GPU machine install your CUDA build of torch first and set TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test install benchmarks
+# the compatibility subset: version gates, the pass, SAC, GPT and Llama numerics with SAC on and
+# off, the Hugging Face decoders, the CLI (README "Tested versions" lists where it passed)
+LIGHTNING_SPEC ?=
+COMPAT_VENV ?= .venv-compat-$(shell echo '$(TORCH_SPEC)$(if $(LIGHTNING_SPEC),-$(LIGHTNING_SPEC))' | tr -c 'A-Za-z0-9.\n-' '_')
+COMPAT_TESTS := tests/test_compat.py tests/test_strategy.py tests/test_pass.py tests/test_sac.py \
+	'tests/test_numerics.py::test_matches_single_device[gpt-sp2]' \
+	'tests/test_numerics.py::test_matches_single_device[llama-sp2]' \
+	'tests/test_numerics.py::test_matches_single_device[llama-dp2xsp2]' \
+	'tests/test_numerics.py::test_matches_single_device[gpt-sp2-nosac]' \
+	'tests/test_numerics.py::test_matches_single_device[llama-sp2-nosac]' \
+	'tests/test_numerics.py::test_negative_control_sharding_without_pass_fails[llama]' \
+	tests/test_any_model.py::test_hugging_face_decoders tests/test_errors.py \
+	tests/test_memory_monitor.py::test_autosp_with_sac tests/test_cli.py
+
+.PHONY: demo test install benchmarks test-compat
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -25,3 +42,10 @@ test: install
 benchmarks: install
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --disable-pip-version-check -e ".[bench]"
 	$(PY) benchmarks/report.py
+
+# pip refuses a TORCH_SPEC / LIGHTNING_SPEC outside pyproject.toml's ranges
+test-compat:
+	test -x $(COMPAT_VENV)/bin/python || python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" $(if $(LIGHTNING_SPEC),"$(LIGHTNING_SPEC)") -e ".[test]"
+	$(COMPAT_VENV)/bin/python -c "import torch, lightning; print('torch', torch.__version__, '/ lightning', lightning.__version__)"
+	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)

@@ -1,11 +1,19 @@
 """lightning-autosp: compiler-based sequence parallelism (AutoSP) as a Lightning strategy."""
 
-from lightning.pytorch.strategies import StrategyRegistry
+import lightning
+import torch
 
-from lightning_autosp.memory.monitor import ActivationMemoryMonitor
-from lightning_autosp.errors import AutoSPError
-from lightning_autosp.sampler import SequenceParallelSampler
-from lightning_autosp.strategy import AutoSPStrategy
+from lightning_autosp import _compat
+
+# before anything that compiles or parses: an untested torch or Lightning fails here, by name
+_compat.check_versions(torch.__version__, lightning.__version__)
+
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
+
+from lightning_autosp.memory.monitor import ActivationMemoryMonitor  # noqa: E402
+from lightning_autosp.errors import AutoSPError  # noqa: E402
+from lightning_autosp.sampler import SequenceParallelSampler  # noqa: E402
+from lightning_autosp.strategy import AutoSPStrategy  # noqa: E402
 
 __all__ = ["AutoSPStrategy", "SequenceParallelSampler", "AutoSPError", "ActivationMemoryMonitor"]
 __version__ = "0.1.0"

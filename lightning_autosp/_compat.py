@@ -1,11 +1,99 @@
-"""Every torch version gate of the package lives here."""
+"""Every torch and Lightning version gate of the package lives here.
+
+The supported ranges are the versions the compatibility subset (``make test-compat``, the
+tests marked ``compat``) passed on; ``pyproject.toml`` declares the same ranges (a test checks
+it) and the README lists the versions tried and when. Importing ``lightning_autosp`` with a
+torch or Lightning outside them raises ``ImportError`` at once instead of failing later inside
+a compile or the CLI.
+"""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
+import torch
 import torch.distributed as dist
+import torch.fx as fx
+
+
+@dataclass(frozen=True)
+class SupportedRange:
+    """``minimum <= version < below``, compared on the release numbers (``2.9.1+cu128`` is 2.9.1)."""
+
+    package: str
+    minimum: str
+    below: str
+
+    @property
+    def requirement(self) -> str:
+        """The pip requirement, as written in ``pyproject.toml``."""
+        return f"{self.package}>={self.minimum},<{self.below}"
+
+    def contains(self, version: str) -> bool:
+        return release(self.minimum) <= release(version) < release(self.below)
+
+
+#: oldest tested 2.9.1, newest 2.13.0; 2.8 and older untested. 2.15.0 fails the compatibility
+#: subset: a process forked after autograd ran in its parent raises "Unable to handle autograd's
+#: threading in combination with fork-based multiprocessing" (start_method="fork"); 2.14 untested.
+TORCH_RANGE = SupportedRange("torch", "2.9", "2.14")
+#: oldest tested 2.5.3, newest 2.6.6. Lightning 2.4.0's LightningCLI puts its internal
+#: ``_class_path`` into the hparams of both the model and the data module and then refuses to
+#: merge them ("Error while merging hparams"); 2.5.0 skips that key. 2.5.0 - 2.5.2's
+#: RichProgressBar calls ``Console.clear_live()`` on an empty live stack with rich 15.0
+#: (IndexError at the start of fit); 2.5.3 checks first.
+LIGHTNING_RANGE = SupportedRange("lightning", "2.5.3", "2.7")
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The release numbers of a version string: ``"2.9.1+cu128"`` -> ``(2, 9, 1)``,
+    ``"2.16.0a0+git1234"`` -> ``(2, 16, 0)`` (a pre-release counts as its release)."""
+    match = re.match(r"\d+(\.\d+)*", version.strip())
+    if match is None:
+        raise ValueError(f"cannot read a release number from version {version!r}")
+    return tuple(int(part) for part in match.group(0).split("."))
+
+
+def check_versions(torch_version: str, lightning_version: str) -> None:
+    """Raise ``ImportError`` naming every installed version outside its supported range."""
+    problems = [
+        f"{supported.package} {version} is installed, but lightning-autosp supports {supported.requirement}"
+        for supported, version in ((TORCH_RANGE, torch_version), (LIGHTNING_RANGE, lightning_version))
+        if not supported.contains(version)
+    ]
+    if problems:
+        raise ImportError(
+            "lightning-autosp: " + "; ".join(problems) + ". Install a supported version "
+            f"(pip install '{TORCH_RANGE.requirement}' '{LIGHTNING_RANGE.requirement}'); "
+            "the README's 'Tested versions' lists what was run."
+        )
+
+
+TORCH_VERSION = release(torch.__version__)
 
 # torch >= 2.10 renamed reduce_scatter_tensor (the old name warns on every call).
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# torch < 2.10: the min-cut partitioner (torch._functorch.partitioners.cleanup_recompute_tags)
+# reads node.meta["ac_graph_id"] of every node tagged node.meta["recompute"] and raises KeyError
+# without it; torch.utils.checkpoint sets both keys (one id per checkpointed region). 2.10 reads
+# the id only where present ("no id" = outside any checkpoint region).
+_PARTITIONER_NEEDS_AC_GRAPH_ID = TORCH_VERSION < (2, 10)
+#: the region id of nodes tagged by our SAC policy (torch.utils.checkpoint numbers its regions from 1)
+SAC_AC_GRAPH_ID = 0
+
+
+def prepare_recompute_tags(joint: fx.GraphModule) -> fx.GraphModule:
+    """Make the ``node.meta["recompute"]`` tags of an AOT joint graph readable by the installed
+    partitioner (in place): on torch < 2.10, every tagged node without an ``ac_graph_id`` joins
+    one region, :data:`SAC_AC_GRAPH_ID`, so the partitioner sees no region boundary between
+    them, as 2.10 and newer do. No-op on torch >= 2.10."""
+    if _PARTITIONER_NEEDS_AC_GRAPH_ID:
+        for node in joint.graph.nodes:
+            if "recompute" in node.meta:
+                node.meta.setdefault("ac_graph_id", SAC_AC_GRAPH_ID)
+    return joint
 
 
 def graph_break_counter() -> dict:

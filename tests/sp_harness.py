@@ -241,6 +241,7 @@ def run_fit(
     backend: str = "aot_eager",
     val_data: Optional[Dataset] = None,
     precision: str = "32-true",
+    sac: bool = True,
 ) -> Run:
     """Fit on ``devices`` forked CPU processes; ``sp_size=None`` means plain DDP."""
     os.environ["MASTER_PORT"] = str(free_port())
@@ -249,7 +250,7 @@ def run_fit(
     if sp_size is None:
         strategy: Any = L.pytorch.strategies.DDPStrategy(start_method="fork")
     else:
-        strategy = AutoSPStrategy(sp_size=sp_size, compile_backend=backend, start_method="fork")
+        strategy = AutoSPStrategy(sp_size=sp_size, compile_backend=backend, start_method="fork", sac=sac)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,

@@ -9,16 +9,17 @@ import pytest
 from sp_harness import LMModule, TokenData, compare, reference, run_fit
 
 TOL = 1e-4
-LAYOUTS = [(2, 2), (4, 4), (4, 2)]  # (devices, sp_size): sp=2, sp=4, dp=2 x sp=2
+# (devices, sp_size, sac): sp=2, sp=4, dp=2 x sp=2 with SAC (the default), sp=2 without
+LAYOUTS = [(2, 2, True), (4, 4, True), (4, 2, True), (2, 2, False)]
 
 
-@pytest.mark.parametrize("devices,sp_size", LAYOUTS, ids=["sp2", "sp4", "dp2xsp2"])
+@pytest.mark.parametrize("devices,sp_size,sac", LAYOUTS, ids=["sp2", "sp4", "dp2xsp2", "sp2-nosac"])
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
-def test_matches_single_device(tmp_path, kind, devices, sp_size):
-    run = run_fit(tmp_path, LMModule(kind), TokenData(16, 32), devices, sp_size)
+def test_matches_single_device(tmp_path, kind, devices, sp_size, sac):
+    run = run_fit(tmp_path, LMModule(kind), TokenData(16, 32), devices, sp_size, sac=sac)
     ref_losses, ref_grads = reference(kind, run, sp_size)
     loss_err, grad_err = compare(run, sp_size, ref_losses, ref_grads)
-    print(f"{kind} devices={devices} sp={sp_size}: loss rel err {loss_err:.2e}, grad rel err {grad_err:.2e}")
+    print(f"{kind} devices={devices} sp={sp_size} sac={sac}: loss rel err {loss_err:.2e}, grad rel err {grad_err:.2e}")
     assert loss_err <= TOL and grad_err <= TOL
     # the pass fired, once, for every length: no recompilation, and no op ran replicated
     graphs = run.ranks[0]["graphs"]["training_step"]

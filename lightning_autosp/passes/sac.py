@@ -41,6 +41,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
+from lightning_autosp._compat import prepare_recompute_tags
 from lightning_autosp.memory import accounting as memory
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.memory.accounting import OP_KINDS, SavedActivations, list_saved_activations, node_kind
@@ -253,6 +254,7 @@ class SACPartitioner(CustomPartitionerFn):
     def _partition(
         self, gm: fx.GraphModule, joint_inputs: Sequence[object], budget: float, kwargs: dict
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        prepare_recompute_tags(gm)  # the tags as this torch's partitioner reads them
         ctx = torch._functorch.config.patch(activation_memory_budget=budget) if budget < 1 else contextlib.nullcontext()
         with ctx:
             return self.partition_fn(gm, joint_inputs, **kwargs)
