@@ -13,7 +13,6 @@ accuracy* (chance is ``1 / num_values``).
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, Dict, Optional
 
@@ -25,8 +24,6 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_autosp.examples.kv_recall import IGNORE_INDEX, KVRecallDataModule
 from lightning_autosp.examples.models import build_model
-
-log = logging.getLogger(__name__)
 
 __all__ = ["CausalLMModule", "WarmupCosine"]
 

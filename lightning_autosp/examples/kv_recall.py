@@ -37,15 +37,12 @@ communication.
 
 from __future__ import annotations
 
-import logging
 from typing import Dict, Optional
 
 import torch
 from lightning import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
-
-log = logging.getLogger(__name__)
 
 __all__ = ["KVRecallDataset", "KVRecallDataModule", "IGNORE_INDEX"]
 

@@ -9,7 +9,6 @@ that a Dynamo-based pass can capture and rewrite it.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -17,8 +16,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-log = logging.getLogger(__name__)
 
 __all__ = ["GPTConfig", "GPT"]
 
@@ -51,13 +48,6 @@ class GPTConfig:
     def tiny(cls, vocab_size: int = 64, **overrides) -> "GPTConfig":
         """A very small configuration for unit tests."""
         kwargs = dict(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, ffn_hidden=128, max_seq_len=256)
-        kwargs.update(overrides)
-        return cls(**kwargs)
-
-    @classmethod
-    def demo(cls, vocab_size: int, **overrides) -> "GPTConfig":
-        """A GPT counterpart of :meth:`LlamaConfig.demo` for ``seq_len=2048``."""
-        kwargs = dict(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, ffn_hidden=256, max_seq_len=2048)
         kwargs.update(overrides)
         return cls(**kwargs)
 

@@ -17,7 +17,6 @@ parallelism:
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -25,8 +24,6 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-log = logging.getLogger(__name__)
 
 __all__ = ["LlamaConfig", "Llama", "RMSNorm", "repeat_kv", "rotate_half", "apply_rotary"]
 
@@ -73,19 +70,6 @@ class LlamaConfig:
         kwargs = dict(
             vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
             max_seq_len=256,
-        )
-        kwargs.update(overrides)
-        return cls(**kwargs)
-
-    @classmethod
-    def demo(cls, vocab_size: int, **overrides) -> "LlamaConfig":
-        """The configuration tuned for the KV-recall demo at ``seq_len=2048``.
-
-        See ``tools/tune_kv_recall.py`` for the tuning run.
-        """
-        kwargs = dict(
-            vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128,
-            max_seq_len=2048,
         )
         kwargs.update(overrides)
         return cls(**kwargs)
