@@ -126,19 +126,23 @@ def reference_fn(model_factory: Callable, loss_fn: Callable, run: "Run", sp_size
 
 class TokenData(Dataset):
     """Random tokens; labels are ignored (-100) on an uneven, sample-dependent set of positions
-    so that SP ranks hold very different numbers of real targets."""
+    so that SP ranks hold very different numbers of real targets. ``ignore``: ``"uneven"``,
+    ``"first_shard_only"`` (targets on the first quarter only; only on the samples in
+    ``first_shard_rows`` if given, the others uneven) or ``"none"``."""
 
-    def __init__(self, n: int, seq_len: int, ignore: str = "uneven", seed: int = 0):
+    def __init__(self, n: int, seq_len: int, ignore: str = "uneven", seed: int = 0, first_shard_rows=None):
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randint(0, VOCAB, (n, seq_len), generator=g)
         self.y = torch.randint(0, VOCAB, (n, seq_len), generator=g)
-        if ignore == "uneven":
+        if ignore == "uneven" or first_shard_rows is not None:
             for i in range(n):
                 # most of the first half ignored, a stripe near the end ignored
                 self.y[i, 1 : seq_len // 2 - i % 3] = -100
                 self.y[i, seq_len - 3 : seq_len - 1] = -100
-        elif ignore == "first_shard_only":
-            self.y[:, seq_len // 4 :] = -100
+        if ignore == "first_shard_only":
+            rows = list(range(n)) if first_shard_rows is None else list(first_shard_rows)
+            self.y[rows] = torch.randint(0, VOCAB, (len(rows), seq_len), generator=g)
+            self.y[rows, seq_len // 4 :] = -100
 
     def __len__(self):
         return len(self.x)

@@ -81,7 +81,7 @@ def test_explicit_attention_masks(tmp_path, kind):
     print(f"mask {kind} sp2: loss {loss_err:.2e} grad {grad_err:.2e} (naive sharding: grad {naive:.2e})")
 
 
-@pytest.mark.parametrize("heads,kv_heads,devices", [(4, 2, 4), (4, 1, 2), (4, 1, 4), (8, 2, 4)], ids=["kv2-sp4", "kv1-sp2", "kv1-sp4", "h8kv2-sp4"])
+@pytest.mark.parametrize("heads,kv_heads,devices", [(4, 1, 2), (4, 1, 4), (8, 2, 4)], ids=["kv1-sp2", "kv1-sp4", "h8kv2-sp4"])
 def test_gqa_with_fewer_kv_heads_than_sp(tmp_path, heads, kv_heads, devices):
     factory = lambda: TinyAttentionLM(heads=heads, kv_heads=kv_heads)  # noqa: E731
     run = run_fit(tmp_path, FnModule(factory, tiny_loss), TokenData(8, 32), devices=devices, sp_size=devices)
@@ -151,7 +151,7 @@ class PaddedData(TokenData):
         return {"input_ids": self.x[i], "labels": self.y[i], "attention_mask": self.am[i]}
 
 
-@pytest.mark.parametrize("family,side,devices", [("llama", "right", 2), ("llama", "left", 4), ("qwen2", "right", 4)])
+@pytest.mark.parametrize("family,side,devices", [("llama", "right", 2), ("llama", "left", 4), ("qwen2", "right", 2)])
 def test_hugging_face_decoders(tmp_path, family, side, devices):
     factory = hf_model(family)
     run = run_fit(tmp_path, FnModule(factory, hf_loss), PaddedData(8, 32, side), devices=devices, sp_size=devices)
