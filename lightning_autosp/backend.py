@@ -159,6 +159,11 @@ class AutoSPBackend:
         return sum(g.sdpa for g in self.pass_stats)
 
     @property
+    def sp_graphs(self) -> int:
+        """Graphs compiled so far with attention rewritten (the step's model graphs)."""
+        return sum(1 for g in self.pass_stats if g.sdpa)
+
+    @property
     def max_shift(self) -> int:
         return max((g.max_shift for g in self.pass_stats), default=0)
 

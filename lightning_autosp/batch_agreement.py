@@ -6,7 +6,10 @@ still hand each rank a different batch, and the rewrite would then silently trai
 sequence stitched together from different samples.
 
 :func:`check_sp_batch_agreement` compares a fingerprint of the batch over the SP group before
-each step: one all-gather of a few float64 numbers per rank.
+each step: one all-gather of a few float64 numbers per rank. The same all-gather carries how
+many sequence-parallel graphs each rank has compiled for the step, so that a rank which
+recompiled where its peers did not is seen before Dynamo's recompile limit could make it run
+the step eagerly, without the collectives its peers wait in.
 """
 
 from __future__ import annotations
@@ -37,15 +40,21 @@ def batch_fingerprint(tensors: Sequence[torch.Tensor], device: torch.device) -> 
 
 
 def check_sp_batch_agreement(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, sp_size: int, device: torch.device, step: str
-) -> None:
-    """Raise an :class:`AutoSPError` on every rank of the SP group if their batches differ."""
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    sp_size: int,
+    device: torch.device,
+    step: str,
+    sp_graphs: int = 0,
+) -> list[int]:
+    """Raise an :class:`AutoSPError` on every rank of the SP group if their batches differ;
+    return every SP rank's ``sp_graphs`` (the graphs it compiled for ``step`` so far)."""
     if sp_size == 1:
-        return
-    local = batch_fingerprint(tensors, device)
+        return [sp_graphs]
+    local = torch.cat([batch_fingerprint(tensors, device), torch.tensor([float(sp_graphs)], dtype=torch.float64, device=device)])
     gathered = [torch.empty_like(local) for _ in range(sp_size)]
     dist.all_gather(gathered, local, group=group)
-    differ = [r for r, fp in enumerate(gathered) if not torch.equal(fp, gathered[0])]
+    differ = [r for r, fp in enumerate(gathered) if not torch.equal(fp[:-1], gathered[0][:-1])]
     if differ:
         raise AutoSPError(
             f"AutoSP: the ranks of an SP group received different batches in `{step}` (SP ranks {differ} differ "
@@ -55,3 +64,4 @@ def check_sp_batch_agreement(
             "Seed that randomness from the sample index and the epoch (or the DP rank, "
             "`trainer.strategy.dp_rank`) rather than the global rank, or draw it in the LightningModule."
         )
+    return [int(fp[-1].item()) for fp in gathered]

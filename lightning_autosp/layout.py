@@ -70,16 +70,26 @@ def seq_split_sizes(seq_len, sp_size: int) -> list:
     return [shard_window(r, sp_size, chunk, seq_len)[1] for r in range(sp_size)]
 
 
+#: every SP rank must keep at least this many tokens after the model's largest slice: a local
+#: length of 0 or 1 is a size Dynamo specializes, so the rank holding it would compile (and
+#: recompile) different graphs from its peers.
+MIN_LOCAL_TOKENS = 2
+
+
 def check_sequence_fits(seq_len: int, sp_size: int, shift: int = 0) -> None:
-    """Raise a ``ValueError`` unless the last SP rank (which holds the fewest tokens) holds more
-    than ``shift`` of them; ``shift`` is the largest slice of the sequence the model takes
-    (``logits[:, :-1]``: 1), which only the first and the last rank absorb."""
+    """Raise a ``ValueError`` unless the last SP rank (which holds the fewest tokens) holds at
+    least ``shift + MIN_LOCAL_TOKENS`` of them; ``shift`` is the largest slice of the sequence
+    the model takes (``logits[:, :-1]``: 1), which only the first and the last rank absorb."""
     fewest = seq_split_sizes(seq_len, sp_size)[-1]
-    if fewest <= shift:
+    needed = shift + MIN_LOCAL_TOKENS
+    if fewest < needed:
+        sliced = f" ({shift} for the model's slice of the sequence)" if shift else ""
         raise ValueError(
             f"AutoSPStrategy: a sequence of {seq_len} tokens split over sp_size={sp_size} ranks leaves the "
-            f"last rank {fewest} token(s); it needs more than {shift} (the model slices the sequence by {shift}). "
-            "Use longer sequences or a smaller sp_size."
+            f"last rank {fewest} token(s); it needs at least {needed}{sliced}, so that every rank keeps "
+            f"{MIN_LOCAL_TOKENS} or more (a part of 0 or 1 token would make that rank compile other graphs than "
+            f"its peers). Use longer sequences (any multiple of sp_size from {needed * sp_size} tokens fits) "
+            "or a smaller sp_size."
         )
 
 

@@ -15,7 +15,8 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.utils._pytree import tree_leaves
+from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+from torch.utils._pytree import keystr, tree_flatten_with_path
 from typing_extensions import override
 
 from lightning_autosp._compat import graph_break_counter
@@ -141,6 +142,8 @@ class AutoSPStrategy(DDPStrategy):
         self._device_mesh: Optional["DeviceMesh"] = None
         self._backends: dict[str, AutoSPBackend] = {}
         self._checked: set[str] = set()
+        self._marked: list[str] = []  # the batch dims the last step marked as sequence dims
+        self._diverged: set[str] = set()  # steps whose SP ranks compiled different graphs (warned)
 
     # ------------------------------------------------------------------ layout
     @property
@@ -255,28 +258,57 @@ class AutoSPStrategy(DDPStrategy):
                 module.__dict__.pop(name, None)
         self._backends.clear()
         self._checked.clear()
+        self._diverged.clear()
         super().teardown()
 
     def _prepare_batch(self, batch: Any, step: str) -> None:
         """Check that the SP group agrees on the batch and that the sequence fits, and mark the
-        sequence dim dynamic, so one compile serves every length.
+        sequence dims dynamic, so one compile serves every length.
 
-        Every dim (after the batch dim) of the batch's tensors whose size equals the sequence
-        length is marked: token ids and labels ``[B, S]``, masks ``[B, 1, S, S]``.
+        The sequence length is the size at ``seq_dim`` that most of the batch's tensors share
+        (token ids and labels ``[B, S]``; ties go to integer tensors). Every dim (after the batch
+        dim) of a batch tensor with that size is marked: ids and labels ``[B, S]``, masks
+        ``[B, 1, S, S]``; other tensors (``[B, F]`` features) stay static.
         """
-        tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
-        check_sp_batch_agreement(tensors, self.sp_group, self.sp_size, self.root_device, step)
-        leaves = [t for t in tensors if t.dim() > self.seq_dim]
-        if not leaves:
-            return
-        seq_len = leaves[0].shape[self.seq_dim]
-        # The shift is known once the step has compiled; the pass checks the first batch itself.
+        paths = [(keystr(path), t) for path, t in tree_flatten_with_path(batch)[0] if isinstance(t, torch.Tensor)]
+        tensors = [t for _, t in paths]
         backend = self._backends.get(step)
+        sp_graphs = backend.sp_graphs if backend is not None else 0
+        counts = check_sp_batch_agreement(tensors, self.sp_group, self.sp_size, self.root_device, step, sp_graphs)
+        self._check_same_graphs(step, counts)
+        seq_len = _sequence_length([(p, t) for p, t in paths if t.dim() > self.seq_dim], self.seq_dim)
+        if seq_len is None:
+            return
+        # The shift is known once the step has compiled; the pass checks the first batch itself.
         check_sequence_fits(seq_len, self.sp_size, backend.max_shift if backend is not None else 0)
-        for t in leaves:
+        self._marked = []
+        for path, t in paths:
             for d in range(1, t.dim()):
                 if t.shape[d] == seq_len:
                     torch._dynamo.mark_dynamic(t, d)
+                    self._marked.append(f"batch{path} dim {d}")
+
+    def _check_same_graphs(self, step: str, counts: list[int]) -> None:
+        """Every SP rank must compile the same graphs: a rank that recompiles alone is harmless
+        until it reaches Dynamo's recompile limit, where it would run the step eagerly while its
+        peers wait for it in an all-to-all. Warn when the counts part, stop before the limit."""
+        if len(set(counts)) == 1:
+            return
+        what = (
+            f"AutoSP: the ranks of an SP group compiled different numbers of graphs for `{step}` "
+            f"(per SP rank: {counts}): a rank-dependent guard made some recompile where others did not. "
+            "TORCH_LOGS=recompiles shows the guard; please report it with that output."
+        )
+        limit = torch._dynamo.config.recompile_limit
+        if max(counts) >= limit - 1:
+            raise AutoSPError(
+                f"{what} One more recompile would reach Dynamo's recompile limit ({limit}), where a rank runs "
+                "the step eagerly while its peers wait in an all-to-all, so AutoSP stops here. Raise "
+                "torch._dynamo.config.recompile_limit, or keep the sequence lengths of the batches fixed."
+            )
+        if step not in self._diverged:
+            self._diverged.add(step)
+            log.warning(what)
 
     def _check_rewritten(self, step: str) -> None:
         if step in self._checked or step not in self._backends:
@@ -301,7 +333,16 @@ class AutoSPStrategy(DDPStrategy):
         try:
             out = parent(*args, **kwargs)
         except Exception as exc:
-            cause = _autosp_cause(exc)
+            violation = _find_cause(exc, ConstraintViolationError)
+            if violation is not None:
+                raise AutoSPError(
+                    "AutoSP marks every dim of the batch whose size equals the sequence length as a sequence dim "
+                    f"({', '.join(self._marked)}), but the step uses one of them as a fixed size - a feature "
+                    f"dim that happens to equal the sequence length?\n{str(violation).splitlines()[0]}\n"
+                    "Give that tensor a size other than the sequence length (or a sequence length other than "
+                    "its size), or move it out of the batch (a buffer of the module, for example)."
+                ) from exc
+            cause = _find_cause(exc, AutoSPError)
             if cause is None:
                 raise
             breaks = Counter(graph_break_counter()) - breaks_before
@@ -326,12 +367,34 @@ class AutoSPStrategy(DDPStrategy):
         return self._run_step("predict_step", super().predict_step, *args, **kwargs)
 
 
-def _autosp_cause(exc: BaseException) -> Optional[AutoSPError]:
-    """The AutoSPError behind a compile failure (Dynamo wraps backend errors), if any."""
+def _sequence_length(tensors: Sequence[tuple[str, torch.Tensor]], seq_dim: int) -> Optional[int]:
+    """The size at ``seq_dim`` most of ``tensors`` share (ties: the size of integer tensors,
+    token ids); ``None`` without tensors. An AutoSPError if that does not decide it."""
+    if not tensors:
+        return None
+    votes = Counter(t.shape[seq_dim] for _, t in tensors)
+    top = max(votes.values())
+    sizes = [size for size, n in votes.items() if n == top]
+    if len(sizes) > 1:
+        integer = {t.shape[seq_dim] for _, t in tensors if not t.is_floating_point() and t.dtype != torch.bool}
+        sizes = [size for size in sizes if size in integer] or sizes
+    if len(sizes) > 1:
+        found = ", ".join(f"batch{p}: {tuple(t.shape)}" for p, t in tensors)
+        raise AutoSPError(
+            f"AutoSP cannot tell the sequence length from the batch: its tensors disagree at seq_dim={seq_dim} "
+            f"({found}). AutoSP takes the size most of them share, preferring integer (token id) tensors. Give "
+            "the sequence tensors (token ids, labels, positions) the same length, keep other tensors' seq_dim "
+            "size different from it, or set AutoSPStrategy(seq_dim=...)."
+        )
+    return sizes[0]
+
+
+def _find_cause(exc: Optional[BaseException], kind: type) -> Optional[BaseException]:
+    """The exception of type ``kind`` behind ``exc`` (Dynamo wraps backend errors), if any."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, AutoSPError):
+        if isinstance(exc, kind):
             return exc
         exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
     return None

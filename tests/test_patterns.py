@@ -1,7 +1,9 @@
 """Ordinary model code that once crashed inside the pass: a per-head 3-D attention bias,
 ``type_as``/``to`` with a tensor of another shape, ``var``/``std`` with positional ``unbiased``,
-and a class-weighted loss whose ``ignore_index`` is not a class. Each runs under sp=2 and is
-compared with one device on loss and gradients, with the naive-sharding negative control."""
+a class-weighted loss whose ``ignore_index`` is not a class, and a batch whose first tensor is
+not the ``[B, S]`` token tensor. Each runs under sp=2 and is compared with one device on loss
+and gradients, with the naive-sharding negative control. A batch tensor with a feature dim that
+happens to equal the sequence length gets a clear error."""
 
 import pytest
 import torch
@@ -10,6 +12,18 @@ import torch.nn.functional as F
 from sp_harness import VOCAB, FnModule, TokenData, check_against_references, run_fit
 
 IGNORE = VOCAB + 3  # an ignore_index that is not a class
+FEATURES = 8
+
+
+class FeatureData(TokenData):
+    """Batches whose first tensor is a ``[B, features]`` float vector, then ids and labels."""
+
+    def __init__(self, n, seq_len, features=FEATURES):
+        super().__init__(n, seq_len)
+        self.f = torch.randn(n, features, generator=torch.Generator().manual_seed(3))
+
+    def __getitem__(self, i):
+        return {"feats": self.f[i], **super().__getitem__(i)}
 
 
 class PatternLM(nn.Module):
@@ -21,6 +35,8 @@ class PatternLM(nn.Module):
         self.qkv = nn.ModuleList([nn.Linear(d, 3 * d) for _ in range(layers)])
         self.o = nn.ModuleList([nn.Linear(d, d) for _ in range(layers)])
         self.head = nn.Linear(d, VOCAB)
+        if pattern == "features_first":  # per-sample features
+            self.feat = nn.Linear(FEATURES, d)
         self.register_buffer("slopes", 2.0 ** -torch.arange(1, heads + 1, dtype=torch.float32))
 
     def _bias(self, S: int, device) -> torch.Tensor:
@@ -38,9 +54,11 @@ class PatternLM(nn.Module):
             return normed * (1 + 0.1 * torch.tanh(var))[None] + 0.01 * std
         return normed
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, feats: torch.Tensor | None = None) -> torch.Tensor:
         B, S = idx.shape
         x = self.emb(idx)  # [B, S, d]
+        if feats is not None:
+            x = x + self.feat(feats)[:, None, :]
         if self.pattern == "to_other_shape":
             x = x.type_as(self.head.weight)  # reference of another shape: only its dtype counts
             pos = torch.arange(S, device=idx.device).to(x) / S  # [S], converted like x
@@ -57,7 +75,7 @@ class PatternLM(nn.Module):
 
 
 def pattern_loss(model: PatternLM, batch) -> torch.Tensor:
-    logits = model(batch["input_ids"])
+    logits = model(batch["input_ids"], batch.get("feats"))
     labels = batch["labels"]
     if model.pattern == "weighted_ignore_not_a_class":
         labels = labels.masked_fill(labels == -100, IGNORE)
@@ -66,10 +84,28 @@ def pattern_loss(model: PatternLM, batch) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
 
 
-@pytest.mark.parametrize("pattern", ["alibi_hss", "to_other_shape", "var_positional", "weighted_ignore_not_a_class"])
+PATTERNS = ["alibi_hss", "to_other_shape", "var_positional", "weighted_ignore_not_a_class", "features_first"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
 def test_pattern_matches_one_device(tmp_path, pattern):
     factory = lambda: PatternLM(pattern)  # noqa: E731
-    run = run_fit(tmp_path, FnModule(factory, pattern_loss), TokenData(8, 24), devices=2, sp_size=2)
+    data = FeatureData(8, 24) if pattern == "features_first" else TokenData(8, 24)
+    run = run_fit(tmp_path, FnModule(factory, pattern_loss), data, devices=2, sp_size=2)
     loss_err, grad_err, naive = check_against_references(run, 2, factory, pattern_loss)
     graphs = run.ranks[0]["graphs"]["training_step"]
     assert sum(g.sdpa for g in graphs) == 2 and all(not g.fallbacks for g in graphs)
+
+
+def test_feature_dim_equal_to_the_sequence_length_is_a_clear_error(tmp_path):
+    """``feats`` is ``[B, 24]`` and so is the sequence: by shape alone it is a sequence tensor,
+    but the model feeds it to a Linear(24, d). Before: Dynamo's internal ConstraintViolationError."""
+    factory = lambda: PatternLM("features_first")  # noqa: E731
+    model_of_24 = lambda: _with_features(factory(), 24)  # noqa: E731
+    with pytest.raises(Exception, match=r"(?s)batch\['feats'\] dim 1.*uses one of them as a fixed size.*size other than the sequence length"):
+        run_fit(tmp_path, FnModule(model_of_24, pattern_loss), FeatureData(4, 24, features=24), devices=2, sp_size=2, steps=1)
+
+
+def _with_features(model: PatternLM, features: int) -> PatternLM:
+    model.feat = nn.Linear(features, model.emb.embedding_dim)
+    return model

@@ -25,7 +25,7 @@ def _positions_by_rank(seq_len: int, sp_size: int, offset: int, length: int) -> 
 @pytest.mark.parametrize("offset,trim", [(0, 0), (0, 1), (1, 0), (1, 1), (2, 1)])
 def test_shard_window_matches_brute_force(seq_len, sp_size, offset, trim):
     length = seq_len - offset - trim
-    check_sequence_fits(seq_len, sp_size, max(offset, trim))  # the strategy refuses the others
+    assert seq_split_sizes(seq_len, sp_size)[-1] > max(offset, trim)  # the window math needs a token left
     chunk = chunk_size(seq_len, sp_size)
     expected = _positions_by_rank(seq_len, sp_size, offset, length)
     for rank in range(sp_size):
@@ -43,10 +43,14 @@ def test_seq_split_sizes():
 
 
 def test_check_sequence_fits():
-    check_sequence_fits(8, 4, shift=1)  # last rank holds 2 > 1
-    with pytest.raises(ValueError, match=r"sequence of 7 tokens split over sp_size=4 ranks leaves the last rank 1 token"):
-        check_sequence_fits(7, 4, shift=1)
-    check_sequence_fits(7, 4, shift=0)
+    check_sequence_fits(12, 4, shift=1)  # last rank holds 3: 2 left after the slice
+    with pytest.raises(ValueError, match=r"sequence of 8 tokens split over sp_size=4 ranks leaves the last rank 2 token"):
+        check_sequence_fits(8, 4, shift=1)  # 1 left after the slice: Dynamo would specialize it
+    check_sequence_fits(8, 4, shift=0)
+    with pytest.raises(ValueError, match=r"last rank 1 token\(s\); it needs at least 2"):
+        check_sequence_fits(7, 4, shift=0)
+    for sp_size, shift in ((4, 1), (8, 2), (3, 0)):  # the multiple the message recommends fits
+        check_sequence_fits((shift + 2) * sp_size, sp_size, shift)
 
 
 def _evaluate(exprs, seq_len: int, sp_size: int) -> list[int]:

@@ -109,3 +109,40 @@ def test_compiled_steps_is_a_read_only_view():
     assert dict(st.compiled_steps) == {}  # nothing compiled before setup
     with pytest.raises(TypeError):
         st.compiled_steps["training_step"] = None  # type: ignore[index]
+
+
+def test_sequence_length_from_the_batch():
+    """The size most batch tensors share at seq_dim; ties go to integer (token id) tensors."""
+    import torch
+
+    from lightning_autosp.errors import AutoSPError
+    from lightning_autosp.strategy import _sequence_length
+
+    ids, labels = torch.zeros(2, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long)
+    feats = torch.zeros(2, 8)
+    assert _sequence_length([("['feats']", feats), ("['ids']", ids), ("['labels']", labels)], 1) == 32
+    assert _sequence_length([("['feats']", feats), ("['ids']", ids)], 1) == 32  # tie: the token ids
+    with pytest.raises(AutoSPError, match=r"disagree at seq_dim=1 \(batch\['a'\]: \(2, 32\), batch\['b'\]: \(2, 8\)\)"):
+        _sequence_length([("['a']", ids), ("['b']", torch.zeros(2, 8, dtype=torch.long))], 1)
+    assert _sequence_length([], 1) is None
+
+
+def test_sp_ranks_that_compile_different_graphs(caplog):
+    """Equal counts pass; a rank that recompiled alone is a warning (once), and an error before
+    Dynamo's recompile limit could make it run the step eagerly."""
+    import logging
+
+    import torch
+
+    from lightning_autosp.errors import AutoSPError
+
+    strategy = AutoSPStrategy(sp_size=2)
+    strategy._check_same_graphs("training_step", [2, 2])
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING):
+        strategy._check_same_graphs("training_step", [2, 3])
+        strategy._check_same_graphs("training_step", [2, 3])
+    assert [r.getMessage().count("per SP rank: [2, 3]") for r in caplog.records] == [1]
+    limit = torch._dynamo.config.recompile_limit
+    with pytest.raises(AutoSPError, match=rf"recompile limit \({limit}\)"):
+        strategy._check_same_graphs("training_step", [limit - 2, limit - 1])
