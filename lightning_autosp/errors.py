@@ -9,3 +9,13 @@ class AutoSPError(RuntimeError):
     The message says which op and shapes were found, and what to change. AutoSP raises this
     rather than run a partially transformed model.
     """
+
+
+def user_source(node) -> str:
+    """Where the user wrote the op of FX node ``node``: the last frame of the stack trace
+    Dynamo recorded (file, line, code)."""
+    trace = (node.meta.get("stack_trace") or "").rstrip().splitlines()
+    frames = [i for i, line in enumerate(trace) if line.lstrip().startswith('File "')]
+    if not frames:
+        return "(no source line recorded)"
+    return "\n".join(line for line in trace[frames[-1] :] if line.strip().strip("^~") != "")

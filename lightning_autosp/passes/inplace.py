@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch.fx as fx
 
-from lightning_autosp.errors import AutoSPError
+from lightning_autosp.errors import AutoSPError, user_source
 from lightning_autosp.passes.placement import REPLICATE, Shard, is_tensor
 from lightning_autosp.passes.rewrite import SPRewrite
 from lightning_autosp.passes.sp_rules.registry import OpCall, Rule
@@ -84,16 +84,11 @@ def visit_inplace(
     rw.record(node, *result)
 
 
-def _user_line(node: fx.Node) -> str:
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    return "\n".join(trace[-2:]) if trace else "(no source line recorded)"
-
-
 def _refusal(node: fx.Node, target: fx.Node, why: str) -> AutoSPError:
     op = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     return AutoSPError(
         f"AutoSP cannot apply the in-place op `{op}` ({node.name}, mutating {target.name}) exactly: {why}.\n"
-        f"{_user_line(node)}\n"
+        f"{user_source(node)}\n"
         "Write it out of place - `x = x.mul(2)` for `x.mul_(2)`, `x = torch.where(mask, 0, x)` or "
         "`torch.cat` for `x[..., i] = v`, a new tensor from `torch.cat`/`torch.stack` for `copy_` into slices "
         "of `new_empty`, `scatter` for `scatter_`."

@@ -118,13 +118,16 @@ class Redistributor:
             return self.new_value[node]
         key = (node, shard)
         if key not in self._sliced:  # [.., outer*length*inner, ..] -> [.., outer*len_r*inner, ..]
-            start, count = self.window(shard)
-            sliced = self.graph.call_function(
-                runtime.shard_slice,
-                (
-                    self.new_value[node], shard.dim, self.emit(self.outer(node, shard)), self.emit(shard.length),
-                    self.emit(shard.inner), self.emit(start), self.emit(count),
-                ),
+            self._sliced[key] = self.graph.call_function(
+                runtime.shard_slice, (self.new_value[node], *self.slice_args(node, shard))
             )
-            self._sliced[key] = sliced
         return self._sliced[key]
+
+    def slice_args(self, node: fx.Node, shard: Shard) -> tuple:
+        """``(dim, outer, seq_len, inner, start, length)`` of :func:`runtime.shard_slice` that cut
+        this rank's ``shard`` out of old node ``node``'s global value."""
+        start, count = self.window(shard)
+        return (
+            shard.dim, self.emit(self.outer(node, shard)), self.emit(shard.length), self.emit(shard.inner),
+            self.emit(start), self.emit(count),
+        )

@@ -31,6 +31,22 @@ def shard_slice(x: torch.Tensor, dim: int, outer, seq_len, inner, start, length)
     return y.narrow(dim + 1, start, length).flatten(dim, dim + 2)  # [.., outer*length*inner, ..]
 
 
+def window_of_random(like: torch.Tensor, kind: str, dtype: torch.dtype, global_shape, dim: int, outer, seq_len, inner, start, length) -> torch.Tensor:
+    """This rank's window (as :func:`shard_slice`) of ``torch.rand``/``torch.randn`` drawn for
+    the global shape: the same draw on every rank of the SP group, so the shards get
+    independent numbers."""
+    draw = torch.rand if kind == "rand" else torch.randn
+    noise = draw(list(global_shape), dtype=dtype, device=like.device)
+    return shard_slice(noise, dim, outer, seq_len, inner, start, length)
+
+
+def dropout_with(x: torch.Tensor, uniform: torch.Tensor, p: float) -> torch.Tensor:
+    """``F.dropout(x, p)`` with the given uniform noise: keep where ``uniform >= p``, scale by
+    ``1 / (1 - p)``."""
+    scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
+    return torch.where(uniform >= p, x * scale, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def global_sizes(*dims):
     """``x.size()`` of a sharded tensor, with the global sequence length."""
     return tuple(dims)

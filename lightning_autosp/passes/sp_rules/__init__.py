@@ -2,10 +2,11 @@
 
 Importing this package registers every rule: :mod:`.shape` (elementwise, views, indexing,
 splits, sizes), :mod:`.tokenwise` (embedding, linear, norms, softmax-like ops),
-:mod:`.reduction` (sums, means, losses) and :mod:`.attention` (Ulysses around SDPA).
+:mod:`.reduction` (sums, means, losses), :mod:`.random_ops` (dropout and random tensors drawn
+globally) and :mod:`.attention` (Ulysses around SDPA).
 """
 
-from lightning_autosp.passes.sp_rules import reduction, shape, tokenwise  # noqa: F401  (registers the rules)
+from lightning_autosp.passes.sp_rules import random_ops, reduction, shape, tokenwise  # noqa: F401  (registers the rules)
 from lightning_autosp.passes.sp_rules.attention import ALL_TO_ALL, SDPA
 from lightning_autosp.passes.sp_rules.registry import OpCall, Rule, lookup, op, sp_rule
 

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from lightning_autosp.errors import AutoSPError
+from lightning_autosp.errors import AutoSPError, user_source
 from lightning_autosp.passes.sp_rules.registry import OpCall, RuleResult, op, sp_rule
 
 if TYPE_CHECKING:
@@ -82,6 +82,16 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
             f"{node.name}: the query has {heads} attention heads (shape {list(rw.shape(q))}), not divisible by "
             f"sp_size={rw.sp_size}. Ulysses splits the heads across the SP group; valid sp_size values for this "
             f"model: {valid_sp_sizes(heads)}."
+        )
+    dropout_p = bound.get("dropout_p", 0.0)
+    if isinstance(dropout_p, fx.Node) or dropout_p != 0:
+        raise AutoSPError(
+            f"AutoSP: scaled_dot_product_attention with dropout_p={dropout_p if not isinstance(dropout_p, fx.Node) else dropout_p.name} "
+            f"({node.name}) is not supported: after the all-to-all every rank draws the attention-dropout mask "
+            "for its own heads from the same RNG state, so heads of different ranks would share masks.\n"
+            + user_source(node) + "\n"
+            + "Set the attention dropout to 0 (Hugging Face: `attention_dropout=0.0`, the default of most configs; "
+            "dropout on activations, `F.dropout`/`nn.Dropout`, is supported)."
         )
     kv_repeat = _kv_repeat(node, heads, kv_heads, rw.sp_size, bool(bound.get("enable_gqa", False)))
     seq_len = rw.emit(rw.seq)

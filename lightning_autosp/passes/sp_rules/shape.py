@@ -45,7 +45,7 @@ ELEMENTWISE_OPS = (
     op("addcmul", torch.addcmul, method=False), op("logical_and", torch.logical_and),
     op("logical_or", torch.logical_or), op("logical_not", torch.logical_not), op("masked_fill", torch.masked_fill),
     # activations
-    op("relu", torch.relu, F.relu), op("silu", F.silu), op("gelu", F.gelu), op("dropout", F.dropout, method=False),
+    op("relu", torch.relu, F.relu), op("silu", F.silu), op("gelu", F.gelu),
     op("softplus", F.softplus, method=False), op("mish", F.mish, method=False),
     op("leaky_relu", F.leaky_relu, method=False), op("elu", F.elu, method=False),
     op("hardtanh", F.hardtanh, method=False), op("relu6", F.relu6, method=False),
@@ -55,7 +55,7 @@ ELEMENTWISE_OPS = (
     # new tensors shaped like their input
     op("zeros_like", torch.zeros_like, method=False), op("ones_like", torch.ones_like, method=False),
     op("empty_like", torch.empty_like, method=False), op("full_like", torch.full_like, method=False),
-    op("rand_like", torch.rand_like, method=False), op("randn_like", torch.randn_like, method=False),
+    # (dropout, rand_like and randn_like: random_ops.py)
 )
 
 
