@@ -1,7 +1,14 @@
-"""What must never be silent or hang: SP ranks that see different batches, and collectives
-on the SP/DP subgroups that would wait longer than the user's ``timeout``."""
+"""What must never be silent or hang: SP ranks that see different batches, collectives on the
+SP/DP subgroups that would wait longer than the user's ``timeout``, and a rank that raises while
+its peers wait for it."""
 
+import os
+import re
+import subprocess
+import sys
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -62,3 +69,21 @@ def test_user_timeout_applies_to_sp_and_dp_groups(tmp_path, monkeypatch):
     for rank in range(4):
         # the backend default would be 1800 s (gloo)
         assert torch.load(tmp_path / f"rank{rank}.pt") == {"sp": 123.0, "dp": 123.0}
+
+
+def test_a_rank_that_raises_ends_the_job_with_its_error(tmp_path):
+    """The default launcher (the script re-run per rank), rank 1 raising at step 2 while rank 0
+    waits for it in an all-to-all: the job exits non-zero with rank 1's message, long before
+    the 300 s timeout (the peer sees the failed rank's connection close)."""
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONPATH": str(Path(__file__).parent)}
+    start = time.time()
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "failing_job.py"), "1", "300"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    end = time.time()
+    output = proc.stdout + proc.stderr
+    raised = re.search(r"deliberate failure on rank 1 at step 2 \(t=([0-9.]+)\)", output)
+    assert proc.returncode != 0 and raised, output[-3000:]
+    print(f"job: {end - start:.0f} s in all; exit {proc.returncode} {end - float(raised.group(1)):.1f} s after rank 1 raised")
+    assert end - float(raised.group(1)) < 60
