@@ -101,3 +101,13 @@ def graph_break_counter() -> dict:
     from torch._dynamo.utils import counters
 
     return dict(counters.get("graph_break", {}))
+
+
+def all_gather_autograd(tensor: torch.Tensor, gather_dim: int, group_name: str) -> torch.Tensor:
+    """The differentiable functional all-gather (its adjoint is a reduce-scatter):
+    ``all_gather_single_autograd`` from torch 2.13, ``all_gather_tensor_autograd`` before (which
+    2.13 still has, with a deprecation warning)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    return gather(tensor, gather_dim, group_name)

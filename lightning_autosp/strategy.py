@@ -23,6 +23,7 @@ from lightning_autosp._compat import graph_break_counter
 from lightning_autosp.backend import AOT_BACKENDS, SUPPORTED_BACKENDS, AutoSPBackend, CompiledStep
 from lightning_autosp.batch_agreement import check_sp_batch_agreement
 from lightning_autosp.errors import AutoSPError
+from lightning_autosp.fsdp import broadcast_module, shard_parameters
 from lightning_autosp.layout import SPLayout, check_sequence_fits, validate_layout, validate_sp_size
 from lightning_autosp.passes.sac import SACConfig
 
@@ -67,6 +68,12 @@ class AutoSPStrategy(DDPStrategy):
             SAC leaves to it; ``1`` keeps its runtime-optimal choice, smaller values trade compute
             for memory (attention and collectives stay saved).
         seq_dim: the sequence dim of the batch's tensors (``[B, S]`` token ids: 1).
+        fsdp: shard parameters, gradients and optimizer state over every rank of the
+            ``dp x sp`` world (ZeRO-3 semantics, :mod:`lightning_autosp.fsdp`) instead of a DDP
+            replica per rank. The parameters are all-gathered inside the compiled step and
+            their gradients reduce-scattered; losses and parameters stay those of one device.
+            Not yet with checkpoints (``Trainer(enable_checkpointing=False)``; export with
+            :func:`lightning_autosp.fsdp.full_state_dict`) or gradient clipping.
         **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument
             (``process_group_backend``, ``start_method``, ``timeout``, DDP kwargs such as
             ``find_unused_parameters``...).
@@ -89,6 +96,7 @@ class AutoSPStrategy(DDPStrategy):
         sac_recompute: Sequence[str] = ("linear", "norm"),
         sac_memory_budget: float = 1.0,
         seq_dim: int = 1,
+        fsdp: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -139,6 +147,9 @@ class AutoSPStrategy(DDPStrategy):
         self.sac = sac
         self.sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)
         self.seq_dim = seq_dim
+        if not isinstance(fsdp, bool):
+            raise ValueError(f"AutoSPStrategy(fsdp={fsdp!r}): pass True (sharded parameters) or False (a replica per rank).")
+        self.fsdp = fsdp
         self._device_mesh: Optional["DeviceMesh"] = None
         self._backends: dict[str, AutoSPBackend] = {}
         self._checked: set[str] = set()
@@ -232,9 +243,60 @@ class AutoSPStrategy(DDPStrategy):
         # every rank of an SP group reads the same samples; SP groups read disjoint ones
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
 
+    # ------------------------------------------------------------------ sharded parameters
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if not self.fsdp:
+            return super()._setup_model(model)
+        broadcast_module(model)  # rank 0's initial values everywhere, as DDP does
+        n = shard_parameters(model, dist.group.WORLD)
+        rank_zero_info(f"AutoSP: {n} parameters sharded over {self.world_size} ranks (fsdp=True)")
+        return model
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        if not self.fsdp:
+            super()._register_ddp_hooks()
+
+    def _check_fsdp_trainer(self, trainer: "pl.Trainer") -> None:
+        """Refuse, before any step, what the sharded mode cannot do yet."""
+        if not self.fsdp:
+            return
+        unsupported = []
+        if trainer.checkpoint_callbacks:
+            unsupported.append(
+                "checkpointing (ModelCheckpoint would save each rank's shard as if it were the model): pass "
+                "Trainer(enable_checkpointing=False) and export with lightning_autosp.fsdp.full_state_dict(module)"
+            )
+        if trainer.gradient_clip_val:
+            unsupported.append(
+                "gradient clipping (the norm would be computed over this rank's shard only): remove gradient_clip_val"
+            )
+        if unsupported:
+            raise ValueError("AutoSPStrategy(fsdp=True) does not support " + "; nor ".join(unsupported) + ".")
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.fsdp:
+            raise AutoSPError(
+                "AutoSPStrategy(fsdp=True) cannot save checkpoints yet: each rank holds a shard of the model. "
+                "Export the weights with lightning_autosp.fsdp.full_state_dict(module) (on every rank)."
+            )
+        return super().lightning_module_state_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.fsdp:
+            raise AutoSPError(
+                "AutoSPStrategy(fsdp=True) cannot load checkpoints yet (ckpt_path=...): each rank holds a shard of "
+                "the model. Load the weights into the module before trainer.fit, or train with fsdp=False."
+            )
+        super().load_model_state_dict(checkpoint, strict)
+
     # ------------------------------------------------------------------ compile
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        self._check_fsdp_trainer(trainer)
         super().setup(trainer)
         module = self.lightning_module
         assert module is not None

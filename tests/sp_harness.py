@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_autosp import AutoSPStrategy
+from lightning_autosp.fsdp import full_state_dict, sharded_parameter_bytes
 from lightning_autosp.examples.models import GPT, GPTConfig, Llama, LlamaConfig
 
 VOCAB = 64
@@ -41,11 +42,12 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Te
 class LMModule(L.LightningModule):
     """An unmodified user module: the loss is computed in ``training_step``."""
 
-    def __init__(self, kind: str, shift: bool = False, lr: float = 0.1):
+    def __init__(self, kind: str, shift: bool = False, lr: float = 0.1, optimizer: str = "sgd"):
         super().__init__()
         self.model = make_model(kind)
         self.shift = shift
         self.lr = lr
+        self.optimizer = optimizer
 
     def training_step(self, batch, batch_idx):
         logits = self.model(batch["input_ids"])
@@ -60,17 +62,24 @@ class LMModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return make_optimizer(self.optimizer, self.parameters(), self.lr)
+
+
+def make_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=lr)
 
 
 class FnModule(L.LightningModule):
     """A user module around any model: ``loss_fn(model, batch) -> loss`` in every step."""
 
-    def __init__(self, model_factory: Callable[[], torch.nn.Module], loss_fn: Callable, lr: float = 0.1):
+    def __init__(self, model_factory: Callable[[], torch.nn.Module], loss_fn: Callable, lr: float = 0.1, optimizer: str = "sgd"):
         super().__init__()
         self.model = model_factory()
         self.loss_fn = loss_fn
         self.lr = lr
+        self.optimizer = optimizer
 
     def training_step(self, batch, batch_idx):
         loss = self.loss_fn(self.model, batch)
@@ -91,15 +100,19 @@ class FnModule(L.LightningModule):
         return self.model(batch["input_ids"])
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return make_optimizer(self.optimizer, self.parameters(), self.lr)
 
 
-def replay(model_factory: Callable, step_loss: Callable, run: "Run", sp_size: int, lr: float = 0.1):
+def replay(
+    model_factory: Callable, step_loss: Callable, run: "Run", sp_size: int, lr: float = 0.1,
+    optimizer: str = "sgd", final: Optional[dict] = None,
+):
     """Replay the batches each DP group saw on one device: per-step losses of each group and
-    the DP-averaged gradients before each SGD step. ``step_loss(model, batch) -> loss``."""
+    the DP-averaged gradients before each optimizer step (``final``, if given, receives the
+    parameters after the last one). ``step_loss(model, batch) -> loss``."""
     dp = run.world // sp_size
     model = model_factory()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = make_optimizer(optimizer, model.parameters(), lr)
     losses, grads = [], []
     for i in range(len(run.ranks[0]["batches"])):
         step_losses = []
@@ -111,17 +124,22 @@ def replay(model_factory: Callable, step_loss: Callable, run: "Run", sp_size: in
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
+    if final is not None:
+        final.update({k: v.detach().clone() for k, v in model.state_dict().items()})
     return losses, grads
 
 
-def reference_fn(model_factory: Callable, loss_fn: Callable, run: "Run", sp_size: int, lr: float = 0.1, bf16: bool = False):
-    """Like :func:`reference` for a :class:`FnModule` (``bf16``: under CPU bf16 autocast)."""
+def reference_fn(
+    model_factory: Callable, loss_fn: Callable, run: "Run", sp_size: int, lr: float = 0.1, bf16: bool = False, **kwargs: Any
+):
+    """Like :func:`reference` for a :class:`FnModule` (``bf16``: under CPU bf16 autocast;
+    ``optimizer``, ``final``: as for :func:`replay`)."""
 
     def step_loss(model, batch):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             return loss_fn(model, batch)
 
-    return replay(model_factory, step_loss, run, sp_size, lr)
+    return replay(model_factory, step_loss, run, sp_size, lr, **kwargs)
 
 
 class TokenData(Dataset):
@@ -180,6 +198,9 @@ class Recorder(L.Callback):
         st = trainer.strategy
         if isinstance(st, AutoSPStrategy):
             self.rec["graphs"] = {k: list(c.pass_stats) for k, c in st.compiled_steps.items()}
+            if st.fsdp:  # collectives: every rank
+                self.rec["final"] = {k.removeprefix("model."): v for k, v in full_state_dict(pl_module).items()}
+                self.rec["bytes"] = sharded_parameter_bytes(pl_module, trainer.optimizers[0])
         torch.save(self.rec, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
     def on_test_end(self, trainer, pl_module):
@@ -197,6 +218,9 @@ class Recorder(L.Callback):
             self.rec["sp_group"] = dist.get_process_group_ranks(st.sp_group)
             self.rec["dp_group"] = dist.get_process_group_ranks(st.dp_group)
             self.rec["graphs"] = {k: list(c.pass_stats) for k, c in st.compiled_steps.items()}
+            if st.fsdp:  # collectives: every rank
+                self.rec["final"] = {k.removeprefix("model."): v for k, v in full_state_dict(pl_module).items()}
+                self.rec["bytes"] = sharded_parameter_bytes(pl_module, trainer.optimizers[0])
         torch.save(self.rec, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
@@ -246,6 +270,7 @@ def run_fit(
     val_data: Optional[Dataset] = None,
     precision: str = "32-true",
     sac: bool = True,
+    fsdp: bool = False,
 ) -> Run:
     """Fit on ``devices`` forked CPU processes; ``sp_size=None`` means plain DDP."""
     os.environ["MASTER_PORT"] = str(free_port())
@@ -254,7 +279,7 @@ def run_fit(
     if sp_size is None:
         strategy: Any = L.pytorch.strategies.DDPStrategy(start_method="fork")
     else:
-        strategy = AutoSPStrategy(sp_size=sp_size, compile_backend=backend, start_method="fork", sac=sac)
+        strategy = AutoSPStrategy(sp_size=sp_size, compile_backend=backend, start_method="fork", sac=sac, fsdp=fsdp)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -278,12 +303,16 @@ def run_fit(
     return Run([torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)])
 
 
-def reference(kind: str, run: Run, sp_size: int, lr: float = 0.1, accumulate: int = 1, shift: bool = False):
+def reference(
+    kind: str, run: Run, sp_size: int, lr: float = 0.1, accumulate: int = 1, shift: bool = False,
+    optimizer: str = "sgd", final: Optional[dict] = None,
+):
     """Replay the recorded batches on one device, eagerly: per-step losses of each DP group and
-    the DP-averaged gradients before each optimizer step."""
+    the DP-averaged gradients before each optimizer step (``final``, if given, receives the
+    parameters after the last step)."""
     dp = run.world // sp_size
     model = make_model(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = make_optimizer(optimizer, model.parameters(), lr)
     losses: list[list[float]] = []
     grads: list[dict[str, torch.Tensor]] = []
     n_micro = len(run.ranks[0]["batches"])
@@ -299,6 +328,8 @@ def reference(kind: str, run: Run, sp_size: int, lr: float = 0.1, accumulate: in
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
             opt.step()
             opt.zero_grad()
+    if final is not None:
+        final.update({k: v.detach().clone() for k, v in model.state_dict().items()})
     return losses, grads
 
 
