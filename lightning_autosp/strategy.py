@@ -70,8 +70,9 @@ class AutoSPStrategy(DDPStrategy):
         seq_dim: the sequence dim of the batch's tensors (``[B, S]`` token ids: 1).
         fsdp: shard parameters, gradients and optimizer state over every rank of the
             ``dp x sp`` world (ZeRO-3 semantics, :mod:`lightning_autosp.fsdp`) instead of a DDP
-            replica per rank. The parameters are all-gathered inside the compiled step and
-            their gradients reduce-scattered; losses and parameters stay those of one device.
+            replica per rank. The parameters are all-gathered inside the compiled step (with
+            ``sac=True`` gathered again in backward rather than saved) and their gradients
+            reduce-scattered; losses and parameters stay those of one device.
             Not yet with checkpoints (``Trainer(enable_checkpointing=False)``; export with
             :func:`lightning_autosp.fsdp.full_state_dict`) or gradient clipping.
         **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument

@@ -106,6 +106,35 @@ def _is_collective(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in memory.COLLECTIVE_NAMESPACES
 
 
+_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "slice", "alias", "expand", "t", "permute", "transpose"})
+
+
+def _is_view(node: fx.Node) -> bool:
+    name = memory.qualified_op_name(node.target) if node.op == "call_function" else None
+    return name is not None and name.rpartition("::")[2].split(".")[0] in _VIEWS
+
+
+def parameter_gathers(joint: fx.GraphModule, fwd: set[fx.Node]) -> list[fx.Node]:
+    """The forward all-gathers of a graph input seen through views (``fsdp=True``'s parameter
+    shards), with their waits and the views of the gathered value: what SAC recomputes in
+    backward instead of saving a full weight per layer."""
+    out: list[fx.Node] = []
+    for node in joint.graph.nodes:
+        if node not in fwd or node.op != "call_function" or "all_gather" not in str(node.target):
+            continue
+        src = node.args[0]
+        while isinstance(src, fx.Node) and _is_view(src):
+            src = src.args[0]
+        if not (isinstance(src, fx.Node) and src.op == "placeholder"):
+            continue
+        todo = [node]
+        while todo:
+            n = todo.pop()
+            out.append(n)
+            todo.extend(u for u in n.users if u in fwd and (_is_view(u) or "wait_tensor" in str(u.target)))
+    return out
+
+
 def _is_attention(node: fx.Node) -> bool:
     name = memory.qualified_op_name(node.target) if node.op == "call_function" else None
     return name is not None and memory.op_kind(name) == "attention"
@@ -139,8 +168,9 @@ def forward_nodes(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
 def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConfig) -> fx.GraphModule:
     """Tag the forward nodes of an AOT joint graph with the SAC checkpoint policy (in place).
 
-    Postcondition: every forward collective, every attention op, its ``getitem`` outputs and
-    its tensor inputs are ``MUST_SAVE``; every other forward op whose kind is in
+    Postcondition: the all-gathers of parameter shards (:func:`parameter_gathers`), their waits
+    and views are ``MUST_RECOMPUTE``; every other forward collective, every attention op, its
+    ``getitem`` outputs and its tensor inputs are ``MUST_SAVE``; every other forward op whose kind is in
     ``config.recompute`` (random ops excepted) is ``PREFER_RECOMPUTE``, with the ``getitem``
     outputs of a multi-output op tagged like the op; nothing else is tagged.
     """
@@ -150,8 +180,10 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
         if n.op == "call_function":
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
+    for node in parameter_gathers(joint, fwd):
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     for node in joint.graph.nodes:
-        if node.op != "call_function" or node not in fwd:
+        if node.op != "call_function" or node not in fwd or "recompute" in node.meta:
             continue
         if _is_collective(node):
             save(node)
@@ -269,7 +301,8 @@ class SACPartitioner(CustomPartitionerFn):
             return f"would save multi-output op(s) {tuples} whole instead of their outputs"
         fwd = forward_nodes(joint, num_fwd_outputs)
         joint_bw = sum(1 for n in joint.graph.nodes if n not in fwd and _is_collective(n))
-        got_bw = memory.count_ops(bw)
+        regathered = {n.name for n in joint.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
+        got_bw = memory.count_ops(bw) - sum(1 for n in bw.graph.nodes if n.name in regathered and _is_collective(n))
         if got_bw != joint_bw:
             return (
                 f"put {got_bw} collectives in the backward graph where autograd needs {joint_bw} "
