@@ -12,6 +12,10 @@ every variant from the same initial weights and the same batches:
 ``ulysses_eager``     the same in eager mode, the way DeepSpeed-Ulysses runs
 ``ddp_compiled``      no SP: every process trains on a whole sequence (its own sample),
                       plain ``torch.compile``; the memory baseline
+``autosp_sac_fsdp``   ``autosp_sac`` with the parameters sharded over the processes
+                      (``AutoSPStrategy(fsdp=True)``: gathered in the step, gradients
+                      reduce-scattered); not in the default set - compare it with
+                      ``--variants autosp_sac autosp_sac_fsdp``
 
 One step is forward, backward, gradient all-reduce and an SGD update; every variant's step
 is timed ``--reps`` times, variants interleaved, the slower rank counts, the median is kept.
@@ -47,10 +51,12 @@ from ulysses_baseline import default_impl, init_deepspeed, local_shard, ulysses_
 
 from lightning_autosp.backend import AutoSPBackend
 from lightning_autosp.examples.models import Llama, LlamaConfig
+from lightning_autosp.fsdp import shard_parameters
 from lightning_autosp.passes.sac import SACConfig
 
-VARIANTS = ("autosp_sac", "autosp", "ulysses_compiled", "ulysses_eager", "ddp_compiled")
-SP_VARIANTS = VARIANTS[:4]
+VARIANTS = ("autosp_sac", "autosp", "ulysses_compiled", "ulysses_eager", "ddp_compiled", "autosp_sac_fsdp")
+DEFAULT_VARIANTS = VARIANTS[:5]
+SP_VARIANTS = (*VARIANTS[:4], "autosp_sac_fsdp")
 REFERENCE = "ulysses_eager"
 
 
@@ -60,7 +66,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         model=dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768, vocab_size=512),
     )
     p.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
     p.add_argument("--seq-len", type=int, default=4096, help="sequence length of the timed steps")
     p.add_argument("--reps", type=int, default=5, help="timed steps per variant (median)")
     p.add_argument("--budget-mib", type=float, default=384.0, help="memory budget per process for the length search")
@@ -89,9 +95,12 @@ class Variant:
         self.name, self.rank, self.world = name, rank, world
         torch.manual_seed(0)
         self.model = Llama(cfg)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
         self.sp = name in SP_VARIANTS
+        self.sharded = name == "autosp_sac_fsdp"
         group = dist.group.WORLD
+        if self.sharded:
+            shard_parameters(self.model, group)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
 
         def full_loss(ids, labels, model=self.model):
             logits = model(ids)
@@ -99,7 +108,7 @@ class Variant:
 
         self.fn: Callable
         if name.startswith("autosp"):
-            sac = SACConfig() if name == "autosp_sac" else None
+            sac = SACConfig() if name.startswith("autosp_sac") else None
             backend = AutoSPBackend(sp_size=world, sp_rank=rank, group_name=group.group_name, backend="inductor", sac=sac)
             self.fn = torch.compile(full_loss, backend=backend)
         elif name.startswith("ulysses"):
@@ -132,6 +141,9 @@ class Variant:
             with saved.hooks():
                 loss = self.fn(*args)
         loss.backward()
+        if self.sharded:  # the reduce-scatter in backward left each rank its averaged shard gradient
+            self.opt.step()
+            return float(loss.detach())
         grads = [p.grad for p in self.model.parameters()]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)  # hand-written Ulysses: the sum over the SP group is the gradient
@@ -185,7 +197,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     if REFERENCE in grads:
         ref = grads[REFERENCE]
         for name in variants:
-            if variants[name].sp:
+            if variants[name].sp and not variants[name].sharded:  # (shard gradients: tests/test_fsdp.py)
                 res[name]["grad_rel_diff"] = max_over_ranks(float((grads[name] - ref).norm() / ref.norm()))
 
     # timed steps, variants interleaved
@@ -297,6 +309,14 @@ def markdown(results: dict) -> str:
                 f"{ratio(r['tokens_per_s'], ref_e['tokens_per_s']) if ref_e else '-'} | {r['saved_bytes'] / MiB:.1f}{pred} | "
                 f"{r['peak_bytes'] / MiB:.1f} | {longest} | {interp} | {diff} |"
             )
+        if "autosp_sac" in res and "autosp_sac_fsdp" in res:
+            sharded, replicated = res["autosp_sac_fsdp"], res["autosp_sac"]
+            lines += [
+                "",
+                f"Sharded (`fsdp=True`) / replicated AutoSP + SAC: tokens/s "
+                f"{ratio(sharded['tokens_per_s'], replicated['tokens_per_s'])}, step peak "
+                f"{ratio(sharded['peak_bytes'], replicated['peak_bytes'])}.",
+            ]
         lines.append("")
     return "\n".join(lines)
 

@@ -25,7 +25,7 @@ from torch.nn.utils import parametrize
 
 from lightning_autosp._compat import all_gather_autograd
 
-__all__ = ["broadcast_module", "shard_parameters", "is_sharded", "full_state_dict", "sharded_parameter_bytes"]
+__all__ = ["broadcast_module", "shard_parameters", "unshard_parameters", "is_sharded", "full_state_dict", "sharded_parameter_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,24 @@ def shard_parameters(module: nn.Module, group: dist.ProcessGroup) -> int:
         count += 1
     log.debug("AutoSP: sharded %d parameters over %d ranks", count, world)
     return count
+
+
+def unshard_parameters(module: nn.Module) -> int:
+    """Undo :func:`shard_parameters` (in place): every parameter full again on every rank, tied
+    ones still tied, under the model's own names; return how many. A collective."""
+    full: dict[int, nn.Parameter] = {}
+    entries = list(_sharded_entries(module))
+    with torch.no_grad():
+        for _, mod, name in entries:
+            shard = mod.parametrizations[name].original
+            if id(shard) not in full:
+                full[id(shard)] = nn.Parameter(getattr(mod, name).detach().clone(), requires_grad=shard.requires_grad)
+    for _, mod, name in entries:
+        shard = mod.parametrizations[name].original
+        parametrize.remove_parametrizations(mod, name, leave_parametrized=False)
+        delattr(mod, name)
+        mod.register_parameter(name, full[id(shard)])
+    return len(full)
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -23,7 +23,7 @@ from lightning_autosp._compat import graph_break_counter
 from lightning_autosp.backend import AOT_BACKENDS, SUPPORTED_BACKENDS, AutoSPBackend, CompiledStep
 from lightning_autosp.batch_agreement import check_sp_batch_agreement
 from lightning_autosp.errors import AutoSPError
-from lightning_autosp.fsdp import broadcast_module, shard_parameters
+from lightning_autosp.fsdp import broadcast_module, is_sharded, shard_parameters, unshard_parameters
 from lightning_autosp.layout import SPLayout, check_sequence_fits, validate_layout, validate_sp_size
 from lightning_autosp.passes.sac import SACConfig
 
@@ -73,8 +73,10 @@ class AutoSPStrategy(DDPStrategy):
             replica per rank. The parameters are all-gathered inside the compiled step (with
             ``sac=True`` gathered again in backward rather than saved) and their gradients
             reduce-scattered; losses and parameters stay those of one device.
-            Not yet with checkpoints (``Trainer(enable_checkpointing=False)``; export with
-            :func:`lightning_autosp.fsdp.full_state_dict`) or gradient clipping.
+            At the end of ``fit`` the module gets its full parameters back (gathered on every
+            rank), so ``trainer.validate``/``test`` and saving the model work as after DDP.
+            Not yet with checkpoints during ``fit`` (``Trainer(enable_checkpointing=False)``)
+            or gradient clipping.
         **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument
             (``process_group_backend``, ``start_method``, ``timeout``, DDP kwargs such as
             ``find_unused_parameters``...).
@@ -253,6 +255,14 @@ class AutoSPStrategy(DDPStrategy):
         n = shard_parameters(model, dist.group.WORLD)
         rank_zero_info(f"AutoSP: {n} parameters sharded over {self.world_size} ranks (fsdp=True)")
         return model
+
+    @override
+    def on_train_end(self) -> None:
+        """The module leaves ``fit`` as the user gave it: full parameters, its own names."""
+        super().on_train_end()
+        module = self.lightning_module
+        if self.fsdp and module is not None and is_sharded(module):
+            unshard_parameters(module)
 
     @override
     def _register_ddp_hooks(self) -> None:

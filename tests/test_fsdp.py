@@ -17,7 +17,7 @@ only held to Adam's bound, ``lr`` per step.
 
 import pytest
 import torch
-from sp_harness import FnModule, LMModule, TokenData, reference, reference_fn, rel_err, run_fit
+from sp_harness import FnModule, LMModule, TokenData, make_model, reference, reference_fn, rel_err, run_fit, spawn
 
 TOL = 1e-4
 LR = 1e-2
@@ -99,6 +99,37 @@ def test_sharded_hugging_face_llama_matches_single_device(tmp_path):
     loss_err, grad_err, param_err = _errors(run, 2, ref_losses, ref_grads, final)
     print(f"fsdp HF llama sp=2: loss {loss_err:.2e}, shard grads {grad_err:.2e}, params {param_err:.2e}")
     assert loss_err <= TOL and grad_err <= TOL and param_err <= TOL
+
+
+def _shard_roundtrip(rank, world):
+    import torch.distributed as dist
+
+    from lightning_autosp.fsdp import full_state_dict, is_sharded, shard_parameters, unshard_parameters
+
+    model = make_model("gpt")  # its output head is tied to the token embedding
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    names = [n for n, _ in model.named_parameters()]
+    shard_parameters(model, dist.group.WORLD)
+    shards = {n: p.numel() for n, p in model.named_parameters()}
+    gathered = full_state_dict(model)
+    unshard_parameters(model)
+    return {
+        "shards": shards, "gathered_equal": sorted(gathered) == sorted(before) and all(torch.equal(gathered[k], before[k]) for k in before),
+        "names_back": [n for n, _ in model.named_parameters()] == names, "sharded_after": is_sharded(model),
+        "tied_after": model.head.weight is model.wte.weight,
+        "equal_after": all(torch.equal(model.state_dict()[k], before[k]) for k in before),
+    }
+
+
+def test_shard_and_unshard_round_trip(tmp_path):
+    """What fit does to the module and gives back at its end (``on_train_end``): the same
+    parameters, names and ties; while sharded each rank holds a 1/world slice."""
+    results = spawn(tmp_path, _shard_roundtrip, 2)
+    total = sum(p.numel() for p in make_model("gpt").parameters())
+    for r in results:
+        assert sum(r["shards"].values()) <= total // 2 + 2 * len(r["shards"])  # + padding
+        assert r["gathered_equal"] and r["names_back"] and r["tied_after"] and r["equal_after"]
+        assert not r["sharded_after"]
 
 
 def test_sharded_mode_refuses_what_it_cannot_do_yet(tmp_path):
