@@ -8,7 +8,6 @@ from pathlib import Path
 import yaml
 from sp_harness import free_port
 
-from lightning_autosp.cli import main
 from lightning_autosp.examples.kv_recall import IGNORE_INDEX, KVRecallDataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,18 +23,16 @@ SMALL = [
 ]
 
 
-def test_demo_config_fast_dev_run(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    main(
-        [
-            "fit",
-            "--config",
-            str(ROOT / "configs" / "demo_cpu.yaml"),
-            "--trainer.strategy.init_args.start_method=fork",
-            *SMALL,
-        ]
+def test_demo_config_runs_as_users_launch_it(tmp_path):
+    """The README's main job, shrunk: `lightning-autosp fit --config configs/demo_cpu.yaml`
+    launched as users launch it (Lightning's default launcher re-runs the command per rank)."""
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_autosp.cli", "fit", "--config", str(ROOT / "configs" / "demo_cpu.yaml"), *SMALL],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
     )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "dp=1 x sp=2" in out.stderr + out.stdout
 
 
 def test_demo_task_needs_attention_across_the_sp_shards():
@@ -67,13 +64,17 @@ def test_gpu_config_parses():
     assert "lightning_autosp.AutoSPStrategy" in out.stdout and "sp_size: 8" in out.stdout
 
 
-def test_short_name_strategy_runs_under_the_cli(tmp_path):
-    """`strategy: autosp` from YAML/CLI, launched as users launch it (popen, 2 processes)."""
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "lightning_autosp.cli", "fit", "--config", str(ROOT / "configs" / "demo_cpu.yaml"),
-         "--trainer.strategy=autosp", *SMALL],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "dp=1 x sp=2" in out.stderr + out.stdout
+def test_short_name_strategy_under_the_cli(tmp_path, monkeypatch):
+    """`strategy: autosp` from YAML/CLI: the CLI builds the Trainer with AutoSPStrategy (the
+    default configuration, inductor + SAC; its numerics: tests/test_numerics.py)."""
+    from lightning import LightningDataModule, LightningModule
+
+    from lightning_autosp import AutoSPStrategy
+    from lightning_autosp.cli import AutoSPCLI
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--trainer.strategy=autosp", *SMALL]
+    cli = AutoSPCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, args=args, run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, AutoSPStrategy) and strategy.sp_size == 2
+    assert (strategy.compile_backend, strategy.sac) == ("inductor", True)

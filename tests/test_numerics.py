@@ -11,13 +11,13 @@ from sp_harness import LMModule, TokenData, compare, reference, run_fit
 
 TOL = 1e-4
 # (devices, sp_size, sac): sp=2, sp=4, dp=2 x sp=2 with SAC (the default), sp=2 without
-# (GPT skips sp=4: Llama covers it, and the GPT-specific path, learned positions, is the same
-# slicing at sp=2 and sp=4)
+# (GPT skips sp=4 and dp=2 x sp=2: Llama covers them, and the GPT-specific path, learned
+# positions, is the same slicing at every layout)
 LAYOUTS = [
     pytest.param(kind, *layout, id=f"{kind}-{name}")
     for kind in ("gpt", "llama")
     for layout, name in (((2, 2, True), "sp2"), ((4, 4, True), "sp4"), ((4, 2, True), "dp2xsp2"), ((2, 2, False), "sp2-nosac"))
-    if not (kind == "gpt" and name == "sp4")
+    if not (kind == "gpt" and name in ("sp4", "dp2xsp2"))
 ]
 
 
@@ -62,10 +62,10 @@ def check_groups_and_sampling(run):
 
 
 def test_gradient_accumulation(tmp_path):
-    run = run_fit(tmp_path, LMModule("llama"), TokenData(24, 32), devices=4, sp_size=2, accumulate=2)
+    run = run_fit(tmp_path, LMModule("llama"), TokenData(24, 32), devices=2, sp_size=2, accumulate=2)
     ref_losses, ref_grads = reference("llama", run, 2, accumulate=2)
     loss_err, grad_err = compare(run, 2, ref_losses, ref_grads)
-    print(f"accumulate=2 dp2xsp2: loss rel err {loss_err:.2e}, grad rel err {grad_err:.2e}")
+    print(f"accumulate=2 sp2: loss rel err {loss_err:.2e}, grad rel err {grad_err:.2e}")
     assert loss_err <= TOL and grad_err <= TOL
 
 
@@ -85,7 +85,7 @@ def test_ignore_index_token_weighted(tmp_path):
     assert loss_err <= TOL and grad_err <= TOL
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("kind", ["llama"])  # GPT's learned positions at an uneven split: test_any_model's lengths test
 def test_sequence_length_not_divisible_by_sp_size(tmp_path, kind):
     """31 tokens over 4 ranks (8, 8, 8, 7): no padding, no token dropped; and the loss shifts
     the logits (``logits[:, :-1]`` against ``labels[:, 1:]``), so no token at a shard boundary
