@@ -24,8 +24,9 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from lightning_autosp._compat import all_gather_autograd
+from lightning_autosp.errors import AutoSPError
 
-__all__ = ["broadcast_module", "shard_parameters", "unshard_parameters", "is_sharded", "full_state_dict", "sharded_parameter_bytes"]
+__all__ = ["materialize_meta", "broadcast_module", "shard_parameters", "unshard_parameters", "is_sharded", "full_state_dict", "sharded_parameter_bytes", "clip_grad_norm_"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,76 @@ def _owners(module: nn.Module) -> dict[nn.Parameter, list[tuple[nn.Module, str]]
             if p is not None:
                 owners.setdefault(p, []).append((mod, name))
     return owners
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def materialize_meta(module: nn.Module, device: torch.device) -> int:
+    """Give every parameter and buffer of ``module`` left on the ``meta`` device real storage on
+    ``device`` and initialise it (in place); return how many tensors were materialised.
+
+    The initialisers are the model's own: each submodule's ``reset_parameters()`` (PyTorch's
+    convention) or, where it has none, its ``init_weights()`` (Hugging Face ``PreTrainedModel``,
+    torchtitan), called children first and parents last, as construction runs them: a model
+    whose root initialises every weight (``GPT.reset_parameters``, HF ``post_init``) overrides
+    the defaults of its ``nn.Linear`` children, as it does when built for real. Tied parameters
+    stay tied.
+
+    Never silent: new storage is filled with NaN (integers with their largest value) first, and a
+    tensor that no initialiser overwrote is an :class:`AutoSPError` naming it - a non-persistent
+    buffer computed in ``__init__`` (a RoPE frequency table) is the usual case.
+    """
+    fresh: dict[int, torch.Tensor] = {}
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fresh:
+            new = torch.empty_like(t, device=device)
+            with torch.no_grad():
+                if new.is_floating_point() or new.is_complex():
+                    new.fill_(float("nan"))
+                elif new.dtype != torch.bool:
+                    new.fill_(torch.iinfo(new.dtype).max)
+            fresh[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return fresh[id(t)]
+
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        for table in (mod._parameters, mod._buffers):
+            for name, t in table.items():
+                if t is not None and t.is_meta:
+                    if t.dtype == torch.bool:
+                        raise AutoSPError(
+                            f"{prefix + '.' if prefix else ''}{name} is a bool tensor on the meta device: AutoSP cannot "
+                            "tell whether an initialiser rewrites it. Build the model with real tensors "
+                            "(Trainer.init_module(empty_init=False)) or hold it as a float or integer tensor."
+                        )
+                    table[name] = real(t)
+    if not fresh:
+        return 0
+    with torch.no_grad():
+        for mod in reversed(list(module.modules())):  # children before their parents
+            init = getattr(mod, "reset_parameters", None) or getattr(mod, "init_weights", None)
+            if callable(init):
+                init()
+    untouched, new_ids = [], {id(v) for v in fresh.values()}
+    for prefix, mod in module.named_modules():
+        for name, t in [*mod._parameters.items(), *mod._buffers.items()]:
+            if t is None or id(t) not in new_ids:
+                continue
+            blank = t.isnan() if t.is_floating_point() or t.is_complex() else t == torch.iinfo(t.dtype).max
+            if bool(blank.any()):
+                untouched.append(f"{prefix}.{name}" if prefix else name)
+    if untouched:
+        raise AutoSPError(
+            f"the model was built on the meta device (fsdp=True builds configure_model and Trainer.init_module "
+            f"there), and no initialiser wrote {', '.join(untouched[:8])}{' ...' if len(untouched) > 8 else ''}: AutoSP "
+            "calls each module's reset_parameters() (or init_weights()) to initialise it. Compute these tensors in "
+            "such a method, or build the model with real tensors: Trainer.init_module(empty_init=False), or "
+            "construct it in the LightningModule's __init__."
+        )
+    log.debug("AutoSP: materialised %d meta tensors on %s", len(fresh), device)
+    return len(fresh)
 
 
 def broadcast_module(module: nn.Module, src: int = 0) -> None:
@@ -155,6 +226,26 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         for key, mod, name in _sharded_entries(module):
             state[key] = getattr(mod, name).detach().clone()
     return state
+
+
+def clip_grad_norm_(parameters, max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Clip the gradients of sharded parameters to a total L2 norm of ``max_norm`` and return the
+    total norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does on one device.
+
+    The norm is that of the whole model: the squared norms of every rank's shards are summed over
+    ``group`` (the world by default; each element lives on exactly one rank, padding is zero), so
+    every rank scales by the same factor. A collective: call it on every rank.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    device = grads[0].device if grads else torch.device("cpu")
+    local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=device)
+    squared = local.float().pow(2)
+    dist.all_reduce(squared, group=group)
+    total = squared.sqrt()
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def sharded_parameter_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from contextlib import contextmanager
 from datetime import timedelta
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,15 @@ from lightning_autosp._compat import graph_break_counter
 from lightning_autosp.backend import AOT_BACKENDS, SUPPORTED_BACKENDS, AutoSPBackend, CompiledStep
 from lightning_autosp.batch_agreement import check_sp_batch_agreement
 from lightning_autosp.errors import AutoSPError
-from lightning_autosp.fsdp import broadcast_module, is_sharded, shard_parameters, unshard_parameters
+from lightning_autosp.fsdp import (
+    broadcast_module,
+    clip_grad_norm_,
+    has_meta_tensors,
+    is_sharded,
+    materialize_meta,
+    shard_parameters,
+    unshard_parameters,
+)
 from lightning_autosp.layout import SPLayout, check_sequence_fits, validate_layout, validate_sp_size
 from lightning_autosp.passes.sac import SACConfig
 
@@ -75,8 +84,11 @@ class AutoSPStrategy(DDPStrategy):
             reduce-scattered; losses and parameters stay those of one device.
             At the end of ``fit`` the module gets its full parameters back (gathered on every
             rank), so ``trainer.validate``/``test`` and saving the model work as after DDP.
-            Not yet with checkpoints during ``fit`` (``Trainer(enable_checkpointing=False)``)
-            or gradient clipping.
+            Gradient clipping by norm (``gradient_clip_val``, ``self.clip_gradients``) clips by
+            the norm of the whole model (:func:`lightning_autosp.fsdp.clip_grad_norm_`). Modules
+            built in ``configure_model`` or under ``Trainer.init_module()`` stay on the ``meta``
+            device until ``setup`` initialises them (see :meth:`tensor_init_context`).
+            Not yet with checkpoints during ``fit`` (``Trainer(enable_checkpointing=False)``).
         **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument
             (``process_group_backend``, ``start_method``, ``timeout``, DDP kwargs such as
             ``find_unused_parameters``...).
@@ -247,6 +259,27 @@ class AutoSPStrategy(DDPStrategy):
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
 
     # ------------------------------------------------------------------ sharded parameters
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """With ``fsdp=True``, modules built in ``configure_model`` or under ``Trainer.init_module()``
+        go to the ``meta`` device (no memory) unless ``empty_init=False``; ``setup`` gives them
+        storage on the root device, runs the model's own initialisers and shards them."""
+        if not self.fsdp or empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if self.fsdp and has_meta_tensors(self.model):
+            n = materialize_meta(self.model, self.root_device)
+            rank_zero_info(f"AutoSP: initialised {n} tensors of the model built on the meta device on {self.root_device}")
+        super().model_to_device()
+
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if not self.fsdp:
@@ -278,10 +311,6 @@ class AutoSPStrategy(DDPStrategy):
             unsupported.append(
                 "checkpointing (ModelCheckpoint would save each rank's shard as if it were the model): pass "
                 "Trainer(enable_checkpointing=False) and export with lightning_autosp.fsdp.full_state_dict(module)"
-            )
-        if trainer.gradient_clip_val:
-            unsupported.append(
-                "gradient clipping (the norm would be computed over this rank's shard only): remove gradient_clip_val"
             )
         if unsupported:
             raise ValueError("AutoSPStrategy(fsdp=True) does not support " + "; nor ".join(unsupported) + ".")
@@ -322,12 +351,16 @@ class AutoSPStrategy(DDPStrategy):
             self._backends[name] = backend
             setattr(module, name, _compiled_step(getattr(module, name), backend))
         log.debug("AutoSP: compiled %s with backend %s", _COMPILED_STEPS, self.compile_backend)
+        if self.fsdp and "clip_gradients" not in module.__dict__:
+            # Lightning's clip_gradients (called by configure_gradient_clipping, the user's
+            # override and manual optimization alike) would take the norm of this rank's shards.
+            module.clip_gradients = _sharded_clip_gradients(module, self)
 
     @override
     def teardown(self) -> None:
         module = self.lightning_module
         if module is not None:
-            for name in _COMPILED_STEPS:
+            for name in (*_COMPILED_STEPS, "clip_gradients"):
                 module.__dict__.pop(name, None)
         self._backends.clear()
         self._checked.clear()
@@ -483,6 +516,29 @@ def _describe_breaks(breaks: Counter) -> str:
         "print/logging calls from forward, replace data-dependent Python branches with torch.where, "
         "and keep such code in training_step after the loss (TORCH_LOGS=graph_breaks shows where they are)."
     )
+
+
+def _sharded_clip_gradients(module: "pl.LightningModule", strategy: AutoSPStrategy) -> Callable[..., None]:
+    """``module.clip_gradients`` for ``fsdp=True``: clipping by value is elementwise and stays
+    Lightning's; clipping by norm uses the norm of the whole model, summed over every rank."""
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+
+    lightning_clip = type(module).clip_gradients.__get__(module)
+
+    def clip_gradients(optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        trainer = module.trainer
+        algorithm = (gradient_clip_algorithm or trainer.gradient_clip_algorithm or "norm").lower()
+        value = gradient_clip_val if gradient_clip_val is not None else trainer.gradient_clip_val or 0.0
+        if algorithm != GradClipAlgorithmType.NORM or value <= 0:
+            return lightning_clip(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        conflicts = (trainer.gradient_clip_val is not None and gradient_clip_val is not None and trainer.gradient_clip_val != gradient_clip_val) or (
+            trainer.gradient_clip_algorithm is not None and gradient_clip_algorithm is not None and trainer.gradient_clip_algorithm != algorithm
+        )
+        if conflicts:  # Lightning raises its error naming both
+            return lightning_clip(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        clip_grad_norm_(strategy.precision_plugin.main_params(optimizer), float(value))
+
+    return clip_gradients
 
 
 def _compiled_step(fn: Callable, backend: AutoSPBackend) -> Callable:

@@ -42,12 +42,19 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Te
 class LMModule(L.LightningModule):
     """An unmodified user module: the loss is computed in ``training_step``."""
 
-    def __init__(self, kind: str, shift: bool = False, lr: float = 0.1, optimizer: str = "sgd"):
+    def __init__(self, kind: str, shift: bool = False, lr: float = 0.1, optimizer: str = "sgd", in_configure_model: bool = False):
         super().__init__()
-        self.model = make_model(kind)
+        self.kind = kind
+        self.model = None if in_configure_model else make_model(kind)
         self.shift = shift
         self.lr = lr
         self.optimizer = optimizer
+        self.built_on: Optional[str] = None
+
+    def configure_model(self):
+        if self.model is None:  # the large-model way: built by the strategy's rules (meta for fsdp=True)
+            self.model = make_model(self.kind)
+            self.built_on = next(self.model.parameters()).device.type
 
     def training_step(self, batch, batch_idx):
         logits = self.model(batch["input_ids"])
@@ -105,25 +112,36 @@ class FnModule(L.LightningModule):
 
 def replay(
     model_factory: Callable, step_loss: Callable, run: "Run", sp_size: int, lr: float = 0.1,
-    optimizer: str = "sgd", final: Optional[dict] = None,
+    optimizer: str = "sgd", final: Optional[dict] = None, accumulate: int = 1,
+    initial: Optional[dict] = None, clip: Optional[float] = None, norms: Optional[list] = None,
 ):
-    """Replay the batches each DP group saw on one device: per-step losses of each group and
-    the DP-averaged gradients before each optimizer step (``final``, if given, receives the
-    parameters after the last one). ``step_loss(model, batch) -> loss``."""
+    """Replay the batches each DP group saw on one device, eagerly: per-step losses of each group
+    and the DP-averaged gradients before each optimizer step (``final``, if given, receives the
+    parameters after the last one). ``step_loss(model, batch) -> loss``. ``initial``: a state
+    dict to start from; ``clip``: clip the gradients to this total norm before each step, as
+    ``Trainer(gradient_clip_val=clip)`` does (``norms`` receives the norms before clipping)."""
     dp = run.world // sp_size
     model = model_factory()
+    if initial is not None:
+        model.load_state_dict(initial)
     opt = make_optimizer(optimizer, model.parameters(), lr)
-    losses, grads = [], []
+    losses: list[list[float]] = []
+    grads: list[dict[str, torch.Tensor]] = []
     for i in range(len(run.ranks[0]["batches"])):
         step_losses = []
         for g in range(dp):
             loss = step_loss(model, run.ranks[g * sp_size]["batches"][i])
-            (loss / dp).backward()
+            (loss / (dp * accumulate)).backward()
             step_losses.append(loss.item())
         losses.append(step_losses)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
+        if (i + 1) % accumulate == 0:
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            if clip is not None:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                if norms is not None:
+                    norms.append(float(norm))
+            opt.step()
+            opt.zero_grad()
     if final is not None:
         final.update({k: v.detach().clone() for k, v in model.state_dict().items()})
     return losses, grads
@@ -211,6 +229,12 @@ class Recorder(L.Callback):
     def on_predict_end(self, trainer, pl_module):
         self._save_eval(trainer)
 
+    def on_train_start(self, trainer, pl_module):
+        self.rec["built_on"] = getattr(pl_module, "built_on", None)
+        st = trainer.strategy
+        if isinstance(st, AutoSPStrategy) and st.fsdp:  # a collective: every rank
+            self.rec["initial"] = {k.removeprefix("model."): v for k, v in full_state_dict(pl_module).items()}
+
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.rec["grads"].append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
 
@@ -275,6 +299,7 @@ def run_fit(
     precision: str = "32-true",
     sac: bool = True,
     fsdp: bool = False,
+    gradient_clip_val: Optional[float] = None,
 ) -> Run:
     """Fit on ``devices`` forked CPU processes; ``sp_size=None`` means plain DDP."""
     os.environ["MASTER_PORT"] = str(free_port())
@@ -290,6 +315,7 @@ def run_fit(
         strategy=strategy,
         max_steps=steps,
         accumulate_grad_batches=accumulate,
+        gradient_clip_val=gradient_clip_val,
         precision=precision,
         limit_val_batches=2 if val_data is not None else 0,
         num_sanity_val_steps=0,
@@ -307,34 +333,9 @@ def run_fit(
     return Run([torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)])
 
 
-def reference(
-    kind: str, run: Run, sp_size: int, lr: float = 0.1, accumulate: int = 1, shift: bool = False,
-    optimizer: str = "sgd", final: Optional[dict] = None,
-):
-    """Replay the recorded batches on one device, eagerly: per-step losses of each DP group and
-    the DP-averaged gradients before each optimizer step (``final``, if given, receives the
-    parameters after the last step)."""
-    dp = run.world // sp_size
-    model = make_model(kind)
-    opt = make_optimizer(optimizer, model.parameters(), lr)
-    losses: list[list[float]] = []
-    grads: list[dict[str, torch.Tensor]] = []
-    n_micro = len(run.ranks[0]["batches"])
-    for i in range(n_micro):
-        step_losses = []
-        for g in range(dp):
-            batch = run.ranks[g * sp_size]["batches"][i]
-            loss = lm_loss(model(batch["input_ids"]), batch["labels"], shift)
-            (loss / (dp * accumulate)).backward()
-            step_losses.append(loss.item())
-        losses.append(step_losses)
-        if (i + 1) % accumulate == 0:
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-            opt.step()
-            opt.zero_grad()
-    if final is not None:
-        final.update({k: v.detach().clone() for k, v in model.state_dict().items()})
-    return losses, grads
+def reference(kind: str, run: Run, sp_size: int, lr: float = 0.1, shift: bool = False, **kwargs: Any):
+    """:func:`replay` for an :class:`LMModule` of ``kind``."""
+    return replay(lambda: make_model(kind), lambda m, b: lm_loss(m(b["input_ids"]), b["labels"], shift), run, sp_size, lr, **kwargs)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

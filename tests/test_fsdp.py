@@ -21,6 +21,7 @@ from sp_harness import FnModule, LMModule, TokenData, make_model, reference, ref
 
 TOL = 1e-4
 LR = 1e-2
+CLIP = 0.05  # below the tiny GPT's gradient norms at every step (asserted), so clipping acts
 ZERO_GRAD = 1e-8  # a one-device gradient below this at every step is rounding noise of a zero
 
 
@@ -33,6 +34,24 @@ def _shard_of(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 def _param_name(sharded: str) -> str:
     """``model.head.parametrizations.weight.original`` -> ``head.weight``."""
     return sharded.removeprefix("model.").replace(".parametrizations.", ".").removesuffix(".original")
+
+
+def _check_initialised_from_meta(run, kind):
+    """The module was built on the meta device; setup gave it the model's own initialisation:
+    the root's ``reset_parameters`` (normal(0, init_std), norms at one, the RoPE table) won over
+    the defaults of its ``nn.Linear``/``nn.Embedding`` children. (The RoPE table, a buffer
+    outside the state dict, is checked by the losses: the reference builds it eagerly.)"""
+    assert all(rec["built_on"] == "meta" for rec in run.ranks)
+    eager = make_model(kind)
+    initial = run.ranks[0]["initial"]
+    assert sorted(initial) == sorted(eager.state_dict())
+    std = eager.config.init_std
+    for key, value in initial.items():
+        assert torch.isfinite(value).all(), key
+        if key.endswith("norm.weight"):
+            assert torch.equal(value, torch.ones_like(value)), key
+        elif key.endswith("tok_embeddings.weight") or key.endswith("wq.weight"):
+            assert abs(value.std().item() - std) < 0.1 * std, (key, value.std())
 
 
 def _errors(run, sp_size, ref_losses, ref_grads, ref_final):
@@ -56,16 +75,34 @@ def _errors(run, sp_size, ref_losses, ref_grads, ref_final):
 
 
 @pytest.mark.parametrize(
-    "kind,devices,sp_size", [("gpt", 2, 2), ("llama", 4, 2)], ids=["gpt-sp2", "llama-dp2xsp2"]
+    "kind,devices,sp_size,clip,in_configure_model",
+    [("gpt", 2, 2, CLIP, False), ("llama", 4, 2, None, True)],
+    ids=["gpt-sp2-clipped", "llama-dp2xsp2-configure_model"],
 )
-def test_sharded_matches_single_device(tmp_path, kind, devices, sp_size):
-    module = LMModule(kind, lr=LR, optimizer="adamw")
-    run = run_fit(tmp_path, module, TokenData(16, 32), devices, sp_size, fsdp=True)
+def test_sharded_matches_single_device(tmp_path, kind, devices, sp_size, clip, in_configure_model):
+    """GPT: built in ``__init__``, ``gradient_clip_val`` active. Llama: built in
+    ``configure_model``, so on the meta device, and initialised by the strategy."""
+    module = LMModule(kind, lr=LR, optimizer="adamw", in_configure_model=in_configure_model)
+    run = run_fit(tmp_path, module, TokenData(16, 32), devices, sp_size, fsdp=True, gradient_clip_val=clip)
+    initial = run.ranks[0]["initial"]
+    assert all(all(torch.equal(rec["initial"][k], v) for k, v in initial.items()) for rec in run.ranks)
+    if in_configure_model:
+        _check_initialised_from_meta(run, kind)
     final: dict = {}
-    ref_losses, ref_grads = reference(kind, run, sp_size, lr=LR, optimizer="adamw", final=final)
+    norms: list = []
+    kwargs = dict(lr=LR, optimizer="adamw", initial=initial, clip=clip)
+    ref_losses, ref_grads = reference(kind, run, sp_size, final=final, norms=norms, **kwargs)
     loss_err, grad_err, param_err = _errors(run, sp_size, ref_losses, ref_grads, final)
     print(f"fsdp {kind} devices={devices} sp={sp_size}: loss {loss_err:.2e}, shard grads {grad_err:.2e}, params {param_err:.2e}")
     assert loss_err <= TOL and grad_err <= TOL and param_err <= TOL
+    if clip is not None:
+        # clipping acted, and by the whole model's norm: one rank's shards have another norm, so
+        # clipping by it (what Lightning's clip_gradients does on a shard) would scale otherwise
+        print(f"  total gradient norms {norms} (clipped to {clip})")
+        assert all(n > 1.5 * clip for n in norms)
+        for rec in run.ranks:
+            local = [sum(g.double().pow(2).sum() for g in step.values()).sqrt().item() for step in rec["grads"]]
+            assert all(abs(loc - n) / n > 0.1 for loc, n in zip(local, norms)), (local, norms)
     graphs = run.ranks[0]["graphs"]["training_step"]
     assert sum(g.sdpa for g in graphs) == 2 and all(not g.fallbacks for g in graphs)
     # SAC gathers the parameters again in backward rather than saving full weights (before it
@@ -84,7 +121,7 @@ def test_sharded_matches_single_device(tmp_path, kind, devices, sp_size):
     # negative control: one device trained on other batches does not match
     shifted = type(run)([{**rec, "batches": rec["batches"][1:] + rec["batches"][:1]} for rec in run.ranks])
     bad_final: dict = {}
-    bad = reference(kind, shifted, sp_size, lr=LR, optimizer="adamw", final=bad_final)
+    bad = reference(kind, shifted, sp_size, final=bad_final, **kwargs)
     bad_loss, bad_grad, bad_param = _errors(run, sp_size, *bad, bad_final)
     assert bad_grad > 100 * TOL and bad_param > 100 * TOL
 
@@ -137,11 +174,52 @@ def test_sharded_mode_refuses_what_it_cannot_do_yet(tmp_path):
 
     from lightning_autosp import AutoSPError, AutoSPStrategy
 
-    with pytest.raises(ValueError, match=r"fsdp=True.*does not support checkpointing.*enable_checkpointing=False.*nor gradient clipping"):
-        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=AutoSPStrategy(sp_size=1, fsdp=True), gradient_clip_val=1.0)
+    with pytest.raises(ValueError, match=r"fsdp=True.*does not support checkpointing.*enable_checkpointing=False"):
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=AutoSPStrategy(sp_size=1, fsdp=True))
         trainer.strategy._check_fsdp_trainer(trainer)
     with pytest.raises(ValueError, match=r"fsdp='yes'"):
         AutoSPStrategy(fsdp="yes")
     strategy = AutoSPStrategy(sp_size=1, fsdp=True)
     with pytest.raises(AutoSPError, match="cannot load checkpoints yet"):
         strategy.load_model_state_dict({"state_dict": {}})
+
+
+class _TableWithoutInit(torch.nn.Module):
+    """A RoPE-style table computed in ``__init__`` that no initialiser rebuilds."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+
+def test_materialize_meta_runs_the_models_own_initialisers():
+    """Built on meta, then given storage: the model's initialisers run children first, parents
+    last (the root's init wins, as when built for real), ties survive, and a tensor no initialiser
+    writes is an error naming it, not uninitialised memory."""
+    from test_any_model import hf_model
+
+    from lightning_autosp import AutoSPError
+    from lightning_autosp.fsdp import has_meta_tensors, materialize_meta
+
+    with torch.device("meta"):
+        gpt = make_model("gpt")
+    assert has_meta_tensors(gpt) and materialize_meta(gpt, torch.device("cpu")) > 0 and not has_meta_tensors(gpt)
+    assert gpt.head.weight is gpt.wte.weight
+    eager = make_model("gpt")
+    for key, value in gpt.state_dict().items():  # normal(0, 0.02), zero biases, unit norms: GPT.reset_parameters
+        want = eager.state_dict()[key]
+        assert value.shape == want.shape and abs(value.std() - want.std()) <= 0.1 * want.std() + 1e-7, key
+        assert (value.mean() - want.mean()).abs() <= 0.1 * want.std() + 0.01 * want.abs().max(), key
+
+    with torch.device("meta"):
+        hf = hf_model("llama")()  # Hugging Face: PreTrainedModel.init_weights, RoPE buffers included
+    materialize_meta(hf, torch.device("cpu"))
+    assert all(torch.isfinite(t).all() for t in [*hf.parameters(), *hf.buffers()])
+
+    with torch.device("meta"):
+        bad = _TableWithoutInit()
+    with pytest.raises(AutoSPError, match=r"no initialiser wrote table.*reset_parameters.*empty_init=False"):
+        materialize_meta(bad, torch.device("cpu"))
+    real = _TableWithoutInit()  # negative control: built for real, nothing to materialise
+    assert materialize_meta(real, torch.device("cpu")) == 0 and torch.equal(real.table, torch.arange(4.0))

@@ -194,11 +194,14 @@ def test_kv_recall_datamodule():
 def test_demo_module_init_is_reproducible():
     torch.manual_seed(123)
     a = CausalLMModule(vocab_size=VOCAB, dim=32, ffn_hidden=64)
+    a.configure_model()
     torch.manual_seed(456)
     b = CausalLMModule(vocab_size=VOCAB, dim=32, ffn_hidden=64)
+    b.configure_model()
     for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert na == nb and torch.equal(pa, pb)
     c = CausalLMModule(vocab_size=VOCAB, dim=32, ffn_hidden=64, init_seed=1)
+    c.configure_model()
     assert not torch.equal(a.model.output.weight, c.model.output.weight)
 
 
@@ -220,6 +223,7 @@ def test_tiny_training_lowers_loss(arch):
                          num_filler=2, seed=0)
     module = CausalLMModule(model=arch, vocab_size=ds.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                             ffn_hidden=64, max_seq_len=48, lr=1e-2, warmup_steps=1)
+    module.configure_model()
     optimizer = module.configure_optimizers()["optimizer"]
     loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True)
     losses = []

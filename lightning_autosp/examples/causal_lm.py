@@ -48,6 +48,9 @@ class CausalLMModule(LightningModule):
             rest of the run (``trainer.estimated_stepping_batches``); otherwise keep it constant.
         init_seed: if not ``None``, weights are initialised from this seed in a forked RNG
             so that every process builds identical weights regardless of global RNG state.
+
+    The transformer is built in :meth:`configure_model` (``module.model`` is ``None`` before:
+    call ``module.configure_model()`` to use the module outside a ``Trainer``).
     """
 
     def __init__(
@@ -69,20 +72,29 @@ class CausalLMModule(LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        kwargs: Dict[str, Any] = dict(
-            vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_hidden=ffn_hidden,
-            max_seq_len=max_seq_len,
-        )
-        if model.lower() == "llama":
-            kwargs["n_kv_heads"] = n_kv_heads
-        if init_seed is None:
-            self.model = build_model(model, **kwargs)
-        else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(init_seed)
-                self.model = build_model(model, **kwargs)
+        self.model: Optional[torch.nn.Module] = None  # built in configure_model
         self.train_acc = MulticlassAccuracy(num_classes=vocab_size, ignore_index=IGNORE_INDEX, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=vocab_size, ignore_index=IGNORE_INDEX, average="micro")
+
+    def configure_model(self) -> None:
+        """Build the transformer here, Lightning's hook for large models: under
+        ``AutoSPStrategy(fsdp=True)`` it is created on the meta device and each rank only ever
+        keeps its shard (``init_seed`` then has no effect: the strategy initialises it)."""
+        if self.model is not None:  # called again by later stages (validate, test)
+            return
+        hp = self.hparams
+        kwargs: Dict[str, Any] = dict(
+            vocab_size=hp.vocab_size, dim=hp.dim, n_layers=hp.n_layers, n_heads=hp.n_heads, ffn_hidden=hp.ffn_hidden,
+            max_seq_len=hp.max_seq_len,
+        )
+        if hp.model.lower() == "llama":
+            kwargs["n_kv_heads"] = hp.n_kv_heads
+        if hp.init_seed is None:
+            self.model = build_model(hp.model, **kwargs)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(hp.init_seed)
+                self.model = build_model(hp.model, **kwargs)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids)

@@ -183,15 +183,12 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        inv_freq = 1.0 / (
-            config.rope_theta
-            ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
-        )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D / 2]
+        self.register_buffer("inv_freq", torch.empty(config.head_dim // 2, dtype=torch.float32), persistent=False)  # [D / 2]
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights; residual output projections scaled by ``1/sqrt(2 * n_layers)``.
+        """Normal(0, init_std) weights; residual output projections scaled by ``1/sqrt(2 * n_layers)``;
+        the RoPE frequency table.
 
         Uses the global torch RNG: seed it (or use ``torch.random.fork_rng``) for reproducible weights.
         """
@@ -205,6 +202,9 @@ class Llama(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        head_dim = self.config.head_dim
+        with torch.no_grad():  # also rebuilds the table of a model built on the meta device
+            self.inv_freq.copy_(1.0 / self.config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
     def rotary_cos_sin(
         self, seq_len: int, device: torch.device, dtype: torch.dtype, position_ids: Optional[Tensor] = None
