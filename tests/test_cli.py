@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from sp_harness import free_port
 
@@ -53,15 +54,15 @@ def test_demo_task_needs_attention_across_the_sp_shards():
         assert set(labels[asked].tolist()) <= set(ids[:shard][is_value[:shard]].tolist())  # answers only on rank 0
 
 
-def test_gpu_config_parses():
-    from lightning_autosp.cli import AutoSPCLI  # noqa: F401
-
+@pytest.mark.parametrize("config,fsdp", [("llama_sp8.yaml", "false"), ("llama8b_sp8_fsdp.yaml", "true")])
+def test_gpu_config_parses(config, fsdp):
     out = subprocess.run(
-        [sys.executable, "-m", "lightning_autosp.cli", "fit", "--config", str(ROOT / "configs" / "llama_sp8.yaml"), "--print_config"],
+        [sys.executable, "-m", "lightning_autosp.cli", "fit", "--config", str(ROOT / "configs" / config), "--print_config"],
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "lightning_autosp.AutoSPStrategy" in out.stdout and "sp_size: 8" in out.stdout
+    assert f"fsdp: {fsdp}" in out.stdout
 
 
 def test_short_name_strategy_under_the_cli(tmp_path, monkeypatch):
