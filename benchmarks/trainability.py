@@ -16,8 +16,13 @@ search finds). Assumptions (printed with the results):
 * ``zero3``: parameters, gradients and optimizer states sharded over all 8 ranks (the
   paper's baseline, ZeRO-3/FSDP), plus, for the largest module, two gathered bf16 copies
   of its parameters (the one computing and the one prefetched) and its unsharded bf16
-  gradients before their reduce-scatter; ``ddp``: every rank holds everything (what
-  ``AutoSPStrategy``, a DDP strategy, does today);
+  gradients before their reduce-scatter; ``autosp_fsdp``: ``AutoSPStrategy(fsdp=True)``, the
+  same 16 bytes per parameter sharded over all 8 ranks but held as fp32 parameter and gradient
+  shards and two fp32 moments (``bf16-mixed`` keeps fp32 parameters), plus, for the largest
+  module, its fp32 gathered parameters, their bf16 autocast copies and its unsharded fp32
+  gradients (10 bytes per parameter; gathers are issued where each weight is used and
+  gathered again in backward, no prefetch assumed; not yet measured on a GPU); ``ddp``: every
+  rank holds everything (``AutoSPStrategy(fsdp=False)``, the default);
 * batch 1 sequence per SP group (SP variants) or per rank (no SP); causal attention with a
   fused kernel that keeps only its output and log-sum-exp (the CPU flash kernel is traced;
   CUDA flash attention keeps the same); token-mean cross-entropy on un-upcast bf16 logits;
@@ -45,7 +50,9 @@ from _common import GiB, arguments, finish, machine, parser, plot_panels
 
 from lightning_autosp.examples.models import LlamaConfig
 
-SETTINGS = ("zero3", "ddp")
+SETTINGS = ("zero3", "autosp_fsdp", "ddp")
+# the sharded mode is AutoSP's own: only its variants run under it
+SETTING_VARIANTS = {"autosp_fsdp": ("sp", "sp_sac")}
 LABELS = {
     "no_sp_eager": "no SP, eager autograd",
     "no_sp": "no SP, compiled",
@@ -78,10 +85,15 @@ def static_bytes(params: dict[str, int], setting: str, world: int) -> dict[str, 
     and two Adam moments) and, for ZeRO-3, the largest module's gathered parameters (two
     copies: computing and prefetched) and unsharded gradients (before the reduce-scatter).
     Parameter gradients are therefore not counted again in the activation peak."""
+    n, largest = params["total"], max(params["layer"], params["embedding"])
+    if setting == "autosp_fsdp":  # fp32 shards (parameter, gradient, two moments)
+        out = {"parameters": 4 * n // world, "gradients": 4 * n // world, "optimizer": 8 * n // world}
+        out["gathered"] = (4 + 2 + 4) * largest  # fp32 gather + bf16 copy + fp32 gradient
+        out["total"] = sum(out.values())
+        return out
     shard = world if setting == "zero3" else 1
-    n = params["total"]
     out = {"parameters": 2 * n // shard, "gradients": 2 * n // shard, "optimizer": 12 * n // shard}
-    out["gathered"] = 3 * 2 * max(params["layer"], params["embedding"]) if setting == "zero3" else 0
+    out["gathered"] = 3 * 2 * largest if setting == "zero3" else 0
     out["total"] = sum(out.values())
     return out
 
@@ -122,6 +134,8 @@ def run(args: argparse.Namespace) -> dict:
             static = parts["total"]
             rows[setting] = {"static_bytes": static, "static": parts, "variants": {}}
             for v, m in models.items():
+                if v not in SETTING_VARIANTS.get(setting, models):
+                    continue
                 S = longest(m.memory, static, budget, args.granule)
                 rows[setting]["variants"][v] = {
                     "longest": S, "pow2": pow2_floor(S), "memory_at_longest": m.memory(S) if S else None,
@@ -161,12 +175,13 @@ def markdown(res: dict) -> str:
         ]
         for setting, row in m["settings"].items():
             vs = row["variants"]
+            base = m["settings"].get("zero3", row)["variants"] if setting in SETTING_VARIANTS else vs  # baselines
             for v, r in vs.items():
                 mem = r["memory_at_longest"]
                 lines.append(
                     f"| {setting} | {row['static_bytes'] / GiB:.1f} | {LABELS[v]} | {r['longest']:,} | {r['pow2']:,} | "
-                    f"{mem['peak'] / GiB if mem else 0:.1f} | {_ratio(r['longest'], vs['no_sp_eager']['longest'])} | "
-                    f"{_ratio(r['longest'], vs['ulysses_eager']['longest'])} | {_ratio(r['longest'], vs['sp']['longest'])} |"
+                    f"{mem['peak'] / GiB if mem else 0:.1f} | {_ratio(r['longest'], base['no_sp_eager']['longest'])} | "
+                    f"{_ratio(r['longest'], base['ulysses_eager']['longest'])} | {_ratio(r['longest'], vs['sp']['longest'])} |"
                 )
         lines.append("")
         for setting, row in m["settings"].items():
@@ -189,11 +204,16 @@ def comparison(res: dict) -> list[str]:
         ("AutoSP + SAC / no SP (ZeRO-3, compiled)", "sp_sac", "no_sp", "-"),
         ("AutoSP + SAC / no SP (ZeRO-3, full activation checkpointing)", "sp_sac", "no_sp_ac", "-"),
     ]
-    for label, x, y, paper in pairs:
+    sharded = [  # AutoSP's sharded mode (fsdp=True) against the same ZeRO-3 baselines
+        ("AutoSP + SAC, fsdp=True / hand-written Ulysses (ZeRO-3, eager)", "sp_sac", "ulysses_eager", "-"),
+        ("AutoSP + SAC, fsdp=True / no SP (ZeRO-3, eager)", "sp_sac", "no_sp_eager", f"up to {PAPER['vs_zero3_8b']}x (8B)"),
+        ("AutoSP + SAC, fsdp=True / no SP (ZeRO-3, full activation checkpointing)", "sp_sac", "no_sp_ac", "-"),
+    ]
+    for (label, x, y, paper), setting in [*((p, "zero3") for p in pairs), *((p, "autosp_fsdp") for p in sharded)]:
         cells = []
         for m in res["models"].values():
-            vs = m["settings"].get("zero3", {}).get("variants")
-            cells.append(_ratio(vs[x]["longest"], vs[y]["longest"]) if vs else "-")
+            xs, ys = m["settings"].get(setting, {}).get("variants"), m["settings"].get("zero3", {}).get("variants")
+            cells.append(_ratio(xs[x]["longest"], ys[y]["longest"]) if xs and ys else "-")
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {paper} |")
     return lines
 
