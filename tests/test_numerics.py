@@ -7,42 +7,71 @@ without the pass and must fail the same comparison.
 
 import pytest
 import torch
-from sp_harness import LMModule, TokenData, compare, reference, run_fit
+from sp_harness import LMModule, TokenData, compare, lm_loss, make_model, reference, run_fit
 
 TOL = 1e-4
-# (devices, sp_size, sac): sp=2, sp=4, dp=2 x sp=2 with SAC (the default), sp=2 without
-# (GPT skips sp=4 and dp=2 x sp=2: Llama covers them, and the GPT-specific path, learned
-# positions, is the same slicing at every layout)
-LAYOUTS = [
-    pytest.param(kind, *layout, id=f"{kind}-{name}")
-    for kind in ("gpt", "llama")
-    for layout, name in (((2, 2, True), "sp2"), ((4, 4, True), "sp4"), ((4, 2, True), "dp2xsp2"), ((2, 2, False), "sp2-nosac"))
-    if not (kind == "gpt" and name in ("sp4", "dp2xsp2"))
-]
+# Each case is one run: (kind, devices, sp_size, extras). One layer where a second adds nothing
+# to the layout under test (it compiles ~30% faster); Llama at sp=2 keeps two layers, logs
+# its loss, accumulates gradients and validates. Layouts: sp=2, sp=4 (31 tokens: 8, 8, 8, 7,
+# and a shifted loss, so a shard boundary may not lose a target), dp=2 x sp=2, sp=2 without SAC;
+# GPT at sp=2 with targets only in the first quarter of step 1's samples (SP rank 1 holds none).
+CASES = {
+    "gpt-sp2-ignore": ("gpt", 2, 2, dict(data="first_shard_only")),
+    "llama-sp2-2layers-accumulate-validate": ("llama", 2, 2, dict(layers=2, log_loss=True, accumulate=2, validate=True)),
+    "llama-sp4-31tokens-shifted": ("llama", 4, 4, dict(seq_len=31, shift=True)),
+    "llama-dp2xsp2": ("llama", 4, 2, {}),
+    "llama-sp2-nosac": ("llama", 2, 2, dict(sac=False)),
+}
 
 
-@pytest.mark.parametrize("kind,devices,sp_size,sac", LAYOUTS)
-def test_matches_single_device(tmp_path, kind, devices, sp_size, sac):
-    run = run_fit(tmp_path, LMModule(kind), TokenData(16, 32), devices, sp_size, sac=sac)
+def _data(extras: dict) -> TokenData:
+    if extras.get("data") == "first_shard_only":
+        # Lightning shuffles training samples with DistributedSampler(seed=0): the first batch
+        # is the first two samples of this permutation
+        first = torch.randperm(16, generator=torch.Generator().manual_seed(0))[:2].tolist()
+        return TokenData(16, 32, ignore="first_shard_only", first_shard_rows=first)
+    return TokenData(24 if extras.get("accumulate") else 16, extras.get("seq_len", 32))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_single_device(tmp_path, case):
+    kind, devices, sp_size, extras = CASES[case]
+    layers, shift, accumulate = extras.get("layers", 1), extras.get("shift", False), extras.get("accumulate", 1)
+    module = LMModule(kind, shift=shift, layers=layers, log_loss=extras.get("log_loss", False))
+    val = TokenData(4, 32, seed=7) if extras.get("validate") else None
+    run = run_fit(tmp_path, module, _data(extras), devices, sp_size, sac=extras.get("sac", True), accumulate=accumulate, val_data=val)
     if devices == 4 and sp_size == 2:
         check_groups_and_sampling(run)
-    ref_losses, ref_grads = reference(kind, run, sp_size)
+    if extras.get("data") == "first_shard_only":
+        labels = run.ranks[0]["batches"][0]["labels"]
+        assert (labels[:, 8:] == -100).all(), "precondition: step 1 has targets on SP rank 0 only"
+    final: dict = {}
+    ref_losses, ref_grads = reference(kind, run, sp_size, shift=shift, layers=layers, accumulate=accumulate, final=final)
     loss_err, grad_err = compare(run, sp_size, ref_losses, ref_grads)
-    print(f"{kind} devices={devices} sp={sp_size} sac={sac}: loss rel err {loss_err:.2e}, grad rel err {grad_err:.2e}")
+    print(f"{case}: loss rel err {loss_err:.2e}, grad rel err {grad_err:.2e}")
     assert loss_err <= TOL and grad_err <= TOL
     # the pass fired, once, for every length: no recompilation, and no op ran replicated
     graphs = run.ranks[0]["graphs"]["training_step"]
-    assert sum(g.sdpa for g in graphs) == 2 and all(not g.fallbacks for g in graphs)
+    assert sum(g.sdpa for g in graphs) == layers and all(not g.fallbacks for g in graphs)
+    if extras.get("log_loss"):  # what self.log shows is the full-sequence loss too
+        for rec in run.ranks:
+            assert rec["logged"] == pytest.approx([l[0] for l in ref_losses], rel=TOL)
+    if val is not None:  # evaluated after the last step: the full-sequence validation loss
+        model = make_model(kind, layers)
+        model.load_state_dict(final)
+        with torch.no_grad():
+            want = [lm_loss(model(val.x[i : i + 2]), val.y[i : i + 2], False).item() for i in (0, 2)]
+        for rec in run.ranks:
+            assert rec["val_losses"] == pytest.approx(want, rel=TOL)
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
-def test_default_configuration_matches_single_device(tmp_path, kind):
+def test_default_configuration_matches_single_device(tmp_path):
     """What users run by default: compile_backend="inductor" with SAC on (the other tests use
-    aot_eager, also with SAC on, to compile faster)."""
-    run = run_fit(tmp_path, LMModule(kind), TokenData(16, 32), devices=2, sp_size=2, backend="inductor")
-    ref_losses, ref_grads = reference(kind, run, 2)
+    aot_eager, also with SAC on, to compile faster). Llama: RoPE, GQA, RMSNorm, SwiGLU."""
+    run = run_fit(tmp_path, LMModule("llama", log_loss=False), TokenData(16, 32), devices=2, sp_size=2, backend="inductor")
+    ref_losses, ref_grads = reference("llama", run, 2)
     loss_err, grad_err = compare(run, 2, ref_losses, ref_grads)
-    print(f"{kind} inductor+SAC sp=2: loss rel err {loss_err:.2e}, grad rel err {grad_err:.2e}")
+    print(f"llama inductor+SAC sp=2: loss rel err {loss_err:.2e}, grad rel err {grad_err:.2e}")
     assert loss_err <= TOL and grad_err <= TOL
     graphs = run.ranks[0]["graphs"]["training_step"]
     assert sum(g.sdpa for g in graphs) == 2 and all(not g.fallbacks for g in graphs)
@@ -59,63 +88,6 @@ def check_groups_and_sampling(run):
         rows_a = {tuple(x.tolist()) for x in ids[0]}
         rows_b = {tuple(x.tolist()) for x in ids[2]}
         assert not rows_a & rows_b  # disjoint across DP groups
-
-
-def test_gradient_accumulation(tmp_path):
-    run = run_fit(tmp_path, LMModule("llama"), TokenData(24, 32), devices=2, sp_size=2, accumulate=2)
-    ref_losses, ref_grads = reference("llama", run, 2, accumulate=2)
-    loss_err, grad_err = compare(run, 2, ref_losses, ref_grads)
-    print(f"accumulate=2 sp2: loss rel err {loss_err:.2e}, grad rel err {grad_err:.2e}")
-    assert loss_err <= TOL and grad_err <= TOL
-
-
-def test_ignore_index_token_weighted(tmp_path):
-    """Shards hold very different numbers of real targets: in the first step none at all on
-    SP ranks 1-3 (targets on the first quarter only), then uneven numbers on every rank."""
-    # Lightning shuffles training samples with DistributedSampler(seed=0): the first batch is
-    # the first two samples of this permutation
-    first = torch.randperm(16, generator=torch.Generator().manual_seed(0))[:2].tolist()
-    data = TokenData(16, 32, ignore="first_shard_only", first_shard_rows=first)
-    run = run_fit(tmp_path, LMModule("gpt"), data, devices=4, sp_size=4)
-    labels = [b["labels"] for b in run.ranks[0]["batches"]]
-    assert (labels[0][:, 8:] == -100).all(), "precondition: step 1 has targets on SP rank 0 only"
-    ref_losses, ref_grads = reference("gpt", run, 4)
-    loss_err, grad_err = compare(run, 4, ref_losses, ref_grads)
-    print(f"ignore_index sp4: loss rel err {loss_err:.2e}, grad rel err {grad_err:.2e}")
-    assert loss_err <= TOL and grad_err <= TOL
-
-
-@pytest.mark.parametrize("kind", ["llama"])  # GPT's learned positions at an uneven split: test_any_model's lengths test
-def test_sequence_length_not_divisible_by_sp_size(tmp_path, kind):
-    """31 tokens over 4 ranks (8, 8, 8, 7): no padding, no token dropped; and the loss shifts
-    the logits (``logits[:, :-1]`` against ``labels[:, 1:]``), so no token at a shard boundary
-    may lose its target."""
-    run = run_fit(tmp_path, LMModule(kind, shift=True), TokenData(16, 31), devices=4, sp_size=4)
-    ref_losses, ref_grads = reference(kind, run, 4, shift=True)
-    loss_err, grad_err = compare(run, 4, ref_losses, ref_grads)
-    print(f"{kind} S=31 sp4, shifted loss: loss rel err {loss_err:.2e}, grad rel err {grad_err:.2e}")
-    assert loss_err <= TOL and grad_err <= TOL
-    graphs = run.ranks[0]["graphs"]["training_step"]
-    assert all(not g.fallbacks for g in graphs)  # done without gathering the logits
-
-
-def test_validation_loss_is_full_sequence(tmp_path):
-    val = TokenData(4, 32, seed=7)
-    run = run_fit(tmp_path, LMModule("llama"), TokenData(8, 32), devices=2, sp_size=2, steps=1, val_data=val)
-    ref_losses, _ = reference("llama", run, 2)
-    # after one optimizer step, evaluate the reference on the validation batches
-    import torch
-    from sp_harness import lm_loss, make_model
-
-    model = make_model("llama")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    b = run.ranks[0]["batches"][0]
-    lm_loss(model(b["input_ids"]), b["labels"], False).backward()
-    opt.step()
-    with torch.no_grad():
-        want = [lm_loss(model(val.x[i : i + 2]), val.y[i : i + 2], False).item() for i in (0, 2)]
-    for rec in run.ranks:
-        assert rec["val_losses"] == pytest.approx(want, rel=TOL)
 
 
 class NaiveSliceModule(LMModule):
