@@ -57,8 +57,8 @@ def test_memory_model_depth_extrapolation_and_variant_order():
     assert predicted["saved"] == exact["saved"]  # saved activations are exactly linear in depth
     for k in ("fw_peak", "bw_peak"):  # a peak may move inside a block: close, not exact
         assert abs(predicted[k] - exact[k]) <= 0.05 * exact[k]
-    two = {v: mm.trace(replace(CFG, n_layers=2), v, sp_size=2, S=S).memory(S)["saved"] for v in ("no_sp", "sp")}
-    assert lm.two.memory(S)["saved"] < two["sp"] < two["no_sp"]
+    one = {v: mm.trace(replace(CFG, n_layers=1), v, sp_size=2, S=S).memory(S)["saved"] for v in ("no_sp", "sp")}
+    assert lm.one.memory(S)["saved"] < one["sp"] < one["no_sp"]
 
 
 def _liveness_peak(f) -> int:
