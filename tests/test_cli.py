@@ -21,6 +21,7 @@ SMALL = [
     "--data.init_args.train_size=8",
     "--data.init_args.val_size=4",
     "--model.init_args.dim=32",
+    "--model.init_args.n_layers=1",
 ]
 
 
