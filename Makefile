@@ -16,14 +16,13 @@ TORCH_SPEC ?= torch==2.13.0
 LIGHTNING_SPEC ?=
 COMPAT_VENV ?= .venv-compat-$(shell echo '$(TORCH_SPEC)$(if $(LIGHTNING_SPEC),-$(LIGHTNING_SPEC))' | tr -c 'A-Za-z0-9.\n-' '_')
 COMPAT_TESTS := tests/test_compat.py tests/test_strategy.py tests/test_pass.py tests/test_sac.py \
-	'tests/test_numerics.py::test_matches_single_device[gpt-sp2]' \
-	'tests/test_numerics.py::test_matches_single_device[llama-sp2]' \
+	'tests/test_numerics.py::test_matches_single_device[gpt-sp2-ignore]' \
+	'tests/test_numerics.py::test_matches_single_device[llama-sp2-2layers-accumulate-validate]' \
 	'tests/test_numerics.py::test_matches_single_device[llama-dp2xsp2]' \
-	'tests/test_numerics.py::test_matches_single_device[gpt-sp2-nosac]' \
 	'tests/test_numerics.py::test_matches_single_device[llama-sp2-nosac]' \
 	'tests/test_numerics.py::test_negative_control_sharding_without_pass_fails[llama]' \
 	tests/test_any_model.py::test_hugging_face_decoders tests/test_errors.py \
-	tests/test_memory_monitor.py::test_autosp_with_sac tests/test_cli.py
+	tests/test_memory_monitor.py::test_autosp_with_sac tests/test_cli.py tests/test_fsdp.py
 
 .PHONY: demo test install benchmarks test-compat
 install: $(VENV)/.installed
