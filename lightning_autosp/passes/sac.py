@@ -120,7 +120,7 @@ def parameter_gathers(joint: fx.GraphModule, fwd: set[fx.Node]) -> list[fx.Node]
     backward instead of saving a full weight per layer."""
     out: list[fx.Node] = []
     for node in joint.graph.nodes:
-        if node not in fwd or node.op != "call_function" or "all_gather" not in str(node.target):
+        if node not in fwd or _op_name(node) not in _GATHERS:
             continue
         src = node.args[0]
         while isinstance(src, fx.Node) and _is_view(src):
@@ -131,12 +131,21 @@ def parameter_gathers(joint: fx.GraphModule, fwd: set[fx.Node]) -> list[fx.Node]
         while todo:
             n = todo.pop()
             out.append(n)
-            todo.extend(u for u in n.users if u in fwd and (_is_view(u) or "wait_tensor" in str(u.target)))
+            todo.extend(u for u in n.users if u in fwd and (_is_view(u) or _op_name(u) == _WAIT))
     return out
 
 
+# the functional all-gather (the autograd variant traces to the plain one) and its wait
+_GATHERS = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional_autograd::all_gather_into_tensor")
+_WAIT = "_c10d_functional::wait_tensor"
+
+
+def _op_name(node: fx.Node) -> Optional[str]:
+    return memory.qualified_op_name(node.target) if node.op == "call_function" else None
+
+
 def _is_attention(node: fx.Node) -> bool:
-    name = memory.qualified_op_name(node.target) if node.op == "call_function" else None
+    name = _op_name(node)
     return name is not None and memory.op_kind(name) == "attention"
 
 
