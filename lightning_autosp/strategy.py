@@ -56,7 +56,9 @@ class AutoSPStrategy(DDPStrategy):
     ``test_step`` and ``predict_step`` are compiled with the AutoSP backend, which rewrites the Dynamo graph (all-to-all around every
     ``F.scaled_dot_product_attention``, positions, label shifts and losses made right for each
     shard) before AOT autograd and ``compile_backend``. The loss a step returns and logs is the
-    full-sequence loss, and gradients are those of one device on the full sequences.
+    full-sequence loss, and gradients are those of one device on the full sequences. The
+    module's ``log``/``log_dict`` and its torchmetrics objects run eagerly when a step calls
+    them (a graph break each, not a recompile per step).
 
     Args:
         sp_size: ranks per SP group. Must divide the devices per node (and so the world size).
@@ -168,6 +170,7 @@ class AutoSPStrategy(DDPStrategy):
         self._device_mesh: Optional["DeviceMesh"] = None
         self._backends: dict[str, AutoSPBackend] = {}
         self._checked: set[str] = set()
+        self._eager_calls: list[tuple[Any, str, Any]] = []
         self._marked: list[str] = []  # the batch dims the last step marked as sequence dims
         self._diverged: set[str] = set()  # steps whose SP ranks compiled different graphs (warned)
 
@@ -351,6 +354,7 @@ class AutoSPStrategy(DDPStrategy):
             self._backends[name] = backend
             setattr(module, name, _compiled_step(getattr(module, name), backend))
         log.debug("AutoSP: compiled %s with backend %s", _COMPILED_STEPS, self.compile_backend)
+        self._eager_calls = _keep_out_of_graphs(module)
         if self.fsdp and "clip_gradients" not in module.__dict__:
             # Lightning's clip_gradients (called by configure_gradient_clipping, the user's
             # override and manual optimization alike) would take the norm of this rank's shards.
@@ -362,6 +366,12 @@ class AutoSPStrategy(DDPStrategy):
         if module is not None:
             for name in (*_COMPILED_STEPS, "clip_gradients"):
                 module.__dict__.pop(name, None)
+        for owner, name, before in reversed(self._eager_calls):
+            if before is _ABSENT:
+                owner.__dict__.pop(name, None)
+            else:
+                setattr(owner, name, before)
+        self._eager_calls = []
         self._backends.clear()
         self._checked.clear()
         self._diverged.clear()
@@ -516,6 +526,29 @@ def _describe_breaks(breaks: Counter) -> str:
         "print/logging calls from forward, replace data-dependent Python branches with torch.where, "
         "and keep such code in training_step after the loss (TORCH_LOGS=graph_breaks shows where they are)."
     )
+
+
+_ABSENT = object()
+_EAGER_METRIC_CALLS = ("forward", "update", "compute", "reset")
+_EAGER_MODULE_CALLS = ("log", "log_dict")
+
+
+def _keep_out_of_graphs(module: "pl.LightningModule") -> list[tuple[Any, str, Any]]:
+    """Run the module's ``self.log``/``self.log_dict`` and its torchmetrics objects eagerly
+    when a compiled step calls them: Dynamo would trace their bookkeeping and, as a metric's
+    counters change, recompile those frames at every step up to its recompile limit. Each call
+    becomes a graph break instead. Set on these objects only (instance attributes, undone in
+    ``teardown``); return what was replaced."""
+    from torchmetrics import Metric
+
+    replaced = []
+    targets = [(module, _EAGER_MODULE_CALLS)] + [(m, _EAGER_METRIC_CALLS) for m in module.modules() if isinstance(m, Metric)]
+    for owner, names in targets:
+        for name in names:
+            before = owner.__dict__.get(name, _ABSENT)
+            replaced.append((owner, name, before))
+            setattr(owner, name, torch.compiler.disable(getattr(owner, name), recursive=True))
+    return replaced
 
 
 def _sharded_clip_gradients(module: "pl.LightningModule", strategy: AutoSPStrategy) -> Callable[..., None]:

@@ -212,6 +212,7 @@ class Recorder(L.Callback):
         self.rec["losses"].append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
         if "train_loss" in trainer.callback_metrics:
             self.rec.setdefault("logged", []).append(float(trainer.callback_metrics["train_loss"]))
+        self.rec.setdefault("metrics", []).append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         self.rec["val_losses"].append(float(outputs))

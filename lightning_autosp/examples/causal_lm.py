@@ -102,7 +102,7 @@ class CausalLMModule(LightningModule):
     def training_step(self, batch: Dict[str, Tensor], batch_idx: int) -> Tensor:
         logits = self(batch["input_ids"])
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), batch["labels"].view(-1), ignore_index=IGNORE_INDEX)
-        _update(self.train_acc, logits.detach().argmax(-1), batch["labels"])
+        self.train_acc(logits.detach().argmax(-1), batch["labels"])
         self.log("train_loss", loss, prog_bar=True)
         self.log("train_acc", self.train_acc, prog_bar=True)
         return loss
@@ -110,7 +110,7 @@ class CausalLMModule(LightningModule):
     def validation_step(self, batch: Dict[str, Tensor], batch_idx: int) -> Tensor:
         logits = self(batch["input_ids"])
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), batch["labels"].view(-1), ignore_index=IGNORE_INDEX)
-        _update(self.val_acc, logits.argmax(-1), batch["labels"])
+        self.val_acc(logits.argmax(-1), batch["labels"])
         self.log("val_loss", loss, prog_bar=True, on_step=False, on_epoch=True)
         self.log("val_acc", self.val_acc, prog_bar=True, on_step=False, on_epoch=True)
         return loss
@@ -131,13 +131,6 @@ class CausalLMModule(LightningModule):
         total = int(self.trainer.estimated_stepping_batches) if self.hparams.cosine_decay else None
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(self.hparams.warmup_steps, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-@torch.compiler.disable
-def _update(metric: MulticlassAccuracy, preds: Tensor, target: Tensor) -> None:
-    """Metric updates run eagerly: Dynamo would otherwise trace torchmetrics' bookkeeping and
-    recompile for each new ``_update_count`` (a common pattern for any compiled step)."""
-    metric(preds, target)
 
 
 class WarmupCosine:
