@@ -223,3 +223,19 @@ def test_materialize_meta_runs_the_models_own_initialisers():
         materialize_meta(bad, torch.device("cpu"))
     real = _TableWithoutInit()  # negative control: built for real, nothing to materialise
     assert materialize_meta(real, torch.device("cpu")) == 0 and torch.equal(real.table, torch.arange(4.0))
+
+
+def test_init_module_builds_on_meta_only_in_sharded_mode():
+    """``Trainer.init_module()`` (and ``configure_model``, which Lightning calls under the same
+    context): meta with ``fsdp=True`` unless ``empty_init=False``; replicas are built for real."""
+    import lightning as L
+
+    from lightning_autosp import AutoSPStrategy
+
+    def device_of(fsdp, **kwargs):
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=AutoSPStrategy(sp_size=1, fsdp=fsdp), logger=False)
+        with trainer.init_module(**kwargs):
+            return next(make_model("gpt", layers=1).parameters()).device.type
+
+    assert device_of(True) == "meta" and device_of(True, empty_init=True) == "meta"
+    assert device_of(True, empty_init=False) == "cpu" and device_of(False) == "cpu"
