@@ -8,7 +8,7 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import lightning as L
 import torch
@@ -229,6 +229,8 @@ class Recorder(L.Callback):
         st = trainer.strategy
         if isinstance(st, AutoSPStrategy):
             self.rec["graphs"] = {k: list(c.pass_stats) for k, c in st.compiled_steps.items()}
+            if not st.fsdp:
+                self.rec["final"] = {k.removeprefix("model."): v.detach().clone() for k, v in pl_module.state_dict().items()}
             if st.fsdp:  # collectives: every rank
                 self.rec["final"] = {k.removeprefix("model."): v for k, v in full_state_dict(pl_module).items()}
                 self.rec["bytes"] = sharded_parameter_bytes(pl_module, trainer.optimizers[0])
@@ -257,6 +259,8 @@ class Recorder(L.Callback):
             self.rec["sp_group"] = dist.get_process_group_ranks(st.sp_group)
             self.rec["dp_group"] = dist.get_process_group_ranks(st.dp_group)
             self.rec["graphs"] = {k: list(c.pass_stats) for k, c in st.compiled_steps.items()}
+            if not st.fsdp:
+                self.rec["final"] = {k.removeprefix("model."): v.detach().clone() for k, v in pl_module.state_dict().items()}
             if st.fsdp:  # collectives: every rank
                 self.rec["final"] = {k.removeprefix("model."): v for k, v in full_state_dict(pl_module).items()}
                 self.rec["bytes"] = sharded_parameter_bytes(pl_module, trainer.optimizers[0])
@@ -313,6 +317,8 @@ def run_fit(
     sac: bool = True,
     fsdp: bool = False,
     gradient_clip_val: Optional[float] = None,
+    callbacks: Sequence[L.Callback] = (),
+    ckpt_path: Optional[str] = None,
 ) -> Run:
     """Fit on ``devices`` forked CPU processes; ``sp_size=None`` means plain DDP."""
     os.environ["MASTER_PORT"] = str(free_port())
@@ -333,16 +339,16 @@ def run_fit(
         limit_val_batches=2 if val_data is not None else 0,
         num_sanity_val_steps=0,
         val_check_interval=steps * accumulate if val_data is not None else None,
-        callbacks=[Recorder(str(out))],
+        callbacks=[Recorder(str(out)), *callbacks],
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     loaders = [DataLoader(data, batch_size=batch_size, shuffle=False)]
     if val_data is not None:
         loaders.append(DataLoader(val_data, batch_size=batch_size, shuffle=False))
-    trainer.fit(module, *loaders)
+    trainer.fit(module, *loaders, ckpt_path=ckpt_path)
     return Run([torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)])
 
 
