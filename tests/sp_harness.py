@@ -229,13 +229,6 @@ class Recorder(L.Callback):
         st = trainer.strategy
         if isinstance(st, AutoSPStrategy):
             self.rec["graphs"] = {k: list(c.pass_stats) for k, c in st.compiled_steps.items()}
-            if not st.fsdp:
-                self.rec["final"] = {k.removeprefix("model."): v.detach().clone() for k, v in pl_module.state_dict().items()}
-            if st.fsdp:  # collectives: every rank
-                self.rec["final"] = {k.removeprefix("model."): v for k, v in full_state_dict(pl_module).items()}
-                self.rec["bytes"] = sharded_parameter_bytes(pl_module, trainer.optimizers[0])
-                saved = st.compiled_steps["training_step"].saved_activations
-                self.rec["saved_names"] = [t.name for r in saved for t in r.tensors]
         torch.save(self.rec, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
     def on_test_end(self, trainer, pl_module):
