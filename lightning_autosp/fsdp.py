@@ -101,6 +101,9 @@ def materialize_meta(module: nn.Module, device: torch.device) -> int:
     the defaults of its ``nn.Linear`` children, as it does when built for real. Tied parameters
     stay tied.
 
+    Only modules whose every tensor was on the meta device are initialised: real tensors keep
+    their values, and a module that mixes both under one initialiser is an error.
+
     Never silent: new storage is filled with NaN (integers with their largest value) first, and a
     tensor that no initialiser overwrote is an :class:`AutoSPError` naming it - a non-persistent
     buffer computed in ``__init__`` (a RoPE frequency table) is the usual case.
@@ -131,12 +134,23 @@ def materialize_meta(module: nn.Module, device: torch.device) -> int:
                     table[name] = real(t)
     if not fresh:
         return 0
+    new_ids = {id(v) for v in fresh.values()}
     with torch.no_grad():
-        for mod in reversed(list(module.modules())):  # children before their parents
+        for name, mod in reversed(list(module.named_modules())):  # children before their parents
             init = getattr(mod, "reset_parameters", None) or getattr(mod, "init_weights", None)
-            if callable(init):
-                init()
-    untouched, new_ids = [], {id(v) for v in fresh.values()}
+            if not callable(init):
+                continue
+            mine = [id(t) in new_ids for t in [*mod.parameters(), *mod.buffers()]]
+            if not any(mine):
+                continue  # built for real (pretrained, say): its values stay
+            if not all(mine):
+                raise AutoSPError(
+                    f"{name or type(mod).__name__} holds tensors built on the meta device next to real ones, and its "
+                    "initialiser would overwrite the real ones. Build the whole module in configure_model (or under "
+                    "Trainer.init_module()), or all of it for real (Trainer.init_module(empty_init=False))."
+                )
+            init()
+    untouched = []
     for prefix, mod in module.named_modules():
         for name, t in [*mod._parameters.items(), *mod._buffers.items()]:
             if t is None or id(t) not in new_ids:

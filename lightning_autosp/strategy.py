@@ -354,7 +354,8 @@ class AutoSPStrategy(DDPStrategy):
             self._backends[name] = backend
             setattr(module, name, _compiled_step(getattr(module, name), backend))
         log.debug("AutoSP: compiled %s with backend %s", _COMPILED_STEPS, self.compile_backend)
-        self._eager_calls = _keep_out_of_graphs(module)
+        if not self._eager_calls:  # (as the steps: once until teardown)
+            self._eager_calls = _keep_out_of_graphs(module)
         if self.fsdp and "clip_gradients" not in module.__dict__:
             # Lightning's clip_gradients (called by configure_gradient_clipping, the user's
             # override and manual optimization alike) would take the norm of this rank's shards.

@@ -224,6 +224,20 @@ def test_materialize_meta_runs_the_models_own_initialisers():
     real = _TableWithoutInit()  # negative control: built for real, nothing to materialise
     assert materialize_meta(real, torch.device("cpu")) == 0 and torch.equal(real.table, torch.arange(4.0))
 
+    # real weights next to meta ones keep their values; one initialiser over both is refused
+    pretrained = torch.nn.Linear(4, 4)
+    with torch.device("meta"):
+        head = torch.nn.Linear(4, 4)
+    before = pretrained.weight.detach().clone()
+    materialize_meta(torch.nn.Sequential(pretrained, head), torch.device("cpu"))
+    assert torch.equal(pretrained.weight, before) and torch.isfinite(head.weight).all()
+    with torch.device("meta"):
+        mixed = _TableWithoutInit()
+    mixed.proj = torch.nn.Linear(4, 4)  # real, under a parent whose initialiser covers it
+    mixed.reset_parameters = lambda: None
+    with pytest.raises(AutoSPError, match=r"meta device next to real ones.*overwrite"):
+        materialize_meta(mixed, torch.device("cpu"))
+
 
 def test_init_module_builds_on_meta_only_in_sharded_mode():
     """``Trainer.init_module()`` (and ``configure_model``, which Lightning calls under the same
