@@ -254,7 +254,7 @@ class Recorder(L.Callback):
             self.rec["graphs"] = {k: list(c.pass_stats) for k, c in st.compiled_steps.items()}
             if not st.fsdp:
                 self.rec["final"] = {k.removeprefix("model."): v.detach().clone() for k, v in pl_module.state_dict().items()}
-            if st.fsdp:  # collectives: every rank
+            else:  # collectives: every rank
                 self.rec["final"] = {k.removeprefix("model."): v for k, v in full_state_dict(pl_module).items()}
                 self.rec["bytes"] = sharded_parameter_bytes(pl_module, trainer.optimizers[0])
                 saved = st.compiled_steps["training_step"].saved_activations
