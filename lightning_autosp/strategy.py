@@ -23,6 +23,19 @@ from typing_extensions import override
 from lightning_autosp._compat import graph_break_counter
 from lightning_autosp.backend import AOT_BACKENDS, SUPPORTED_BACKENDS, AutoSPBackend, CompiledStep
 from lightning_autosp.batch_agreement import check_sp_batch_agreement
+from lightning_autosp.checkpoint import (
+    ShardedCheckpoint,
+    indexed_optimizer_state,
+    is_sharded_checkpoint,
+    load_sharded_module,
+    load_sharded_optimizer,
+    named_optimizer_state,
+    open_checkpoint,
+    save_sharded,
+    sharded_param_names,
+    sharded_shapes,
+    sharded_state_dict,
+)
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.fsdp import (
     broadcast_module,
@@ -90,7 +103,8 @@ class AutoSPStrategy(DDPStrategy):
             the norm of the whole model (:func:`lightning_autosp.fsdp.clip_grad_norm_`). Modules
             built in ``configure_model`` or under ``Trainer.init_module()`` stay on the ``meta``
             device until ``setup`` initialises them (see :meth:`tensor_init_context`).
-            Not yet with checkpoints during ``fit`` (``Trainer(enable_checkpointing=False)``).
+            Checkpoints saved during ``fit`` are directories with one file per rank
+            (:mod:`lightning_autosp.checkpoint`) that resume on any layout, sharded or not.
         **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument
             (``process_group_backend``, ``start_method``, ``timeout``, DDP kwargs such as
             ``find_unused_parameters``...).
@@ -173,6 +187,8 @@ class AutoSPStrategy(DDPStrategy):
         self._eager_calls: list[tuple[Any, str, Any]] = []
         self._marked: list[str] = []  # the batch dims the last step marked as sequence dims
         self._diverged: set[str] = set()  # steps whose SP ranks compiled different graphs (warned)
+        self._ckpt_source: Any = None  # the checkpoint being restored in the sharded mode
+        self._ckpt_loaded_from: Any = None
 
     # ------------------------------------------------------------------ layout
     @property
@@ -305,41 +321,92 @@ class AutoSPStrategy(DDPStrategy):
         if not self.fsdp:
             super()._register_ddp_hooks()
 
-    def _check_fsdp_trainer(self, trainer: "pl.Trainer") -> None:
-        """Refuse, before any step, what the sharded mode cannot do yet."""
-        if not self.fsdp:
-            return
-        unsupported = []
-        if trainer.checkpoint_callbacks:
-            unsupported.append(
-                "checkpointing (ModelCheckpoint would save each rank's shard as if it were the model): pass "
-                "Trainer(enable_checkpointing=False) and export with lightning_autosp.fsdp.full_state_dict(module)"
-            )
-        if unsupported:
-            raise ValueError("AutoSPStrategy(fsdp=True) does not support " + "; nor ".join(unsupported) + ".")
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # sharded: read each rank's slice into the shards, once they exist
+        return self.fsdp
+
+    def _sharded_now(self) -> bool:
+        return self.fsdp and self.lightning_module is not None and is_sharded(self.lightning_module)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.fsdp:
-            raise AutoSPError(
-                "AutoSPStrategy(fsdp=True) cannot save checkpoints yet: each rank holds a shard of the model. "
-                "Export the weights with lightning_autosp.fsdp.full_state_dict(module) (on every rank)."
-            )
+        """Sharded: this rank's flat shard of every parameter, under the model's own names."""
+        if self._sharded_now():
+            return sharded_state_dict(self.lightning_module)
         return super().lightning_module_state_dict()
 
     @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.fsdp:
-            raise AutoSPError(
-                "AutoSPStrategy(fsdp=True) cannot load checkpoints yet (ckpt_path=...): each rank holds a shard of "
-                "the model. Load the weights into the module before trainer.fit, or train with fsdp=False."
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Sharded: the state of this rank's shards, keyed by parameter name (resharding on load
+        matches by name)."""
+        if self._sharded_now():
+            optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+            return named_optimizer_state(optimizer, sharded_param_names(self.lightning_module))
+        return super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Sharded (``fsdp=True`` during ``fit``): a directory at ``filepath`` with one file per
+        rank (:mod:`lightning_autosp.checkpoint`); no rank gathers the model. Otherwise
+        Lightning's single file, with the optimizer's parameter names added so that a sharded run
+        can resume from it."""
+        if self._sharded_now():
+            if storage_options is not None:
+                raise TypeError("AutoSPStrategy(fsdp=True) writes sharded checkpoints itself: storage_options is not supported.")
+            save_sharded(
+                checkpoint, filepath, rank=self.global_rank, world=self.world_size,
+                shapes=sharded_shapes(self.lightning_module), barrier=self.barrier,
             )
+            return
+        if self.is_global_zero and self.lightning_module is not None and "optimizer_states" in checkpoint:
+            names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+            checkpoint["autosp"] = {
+                "optimizer_param_names": [[names.get(id(p), "?") for g in opt.param_groups for p in g["params"]] for opt in self.optimizers]
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A sharded checkpoint (a directory) or a single file, into either mode, on any layout."""
+        self._ckpt_source, self._ckpt_loaded_from = None, checkpoint_path
+        sharded_dir = is_sharded_checkpoint(checkpoint_path)
+        if self._sharded_now():
+            loaded = None if sharded_dir else super().load_checkpoint(checkpoint_path, weights_only)
+            self._ckpt_source = open_checkpoint(checkpoint_path, loaded, sharded_shapes(self.lightning_module))
+            return dict(self._ckpt_source.meta)
+        if sharded_dir:
+            return ShardedCheckpoint(checkpoint_path).to_full()
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._sharded_now() and self._ckpt_source is not None:
+            load_sharded_module(self.lightning_module, self._ckpt_source, self.global_rank, self.world_size, strict)
+            return
         super().load_model_state_dict(checkpoint, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._sharded_now() and self._ckpt_source is not None:
+            for i, optimizer in enumerate(self.optimizers):
+                load_sharded_optimizer(optimizer, i, self._ckpt_source, self.lightning_module, self.global_rank)
+            self._ckpt_source = None
+            return
+        states = checkpoint["optimizer_states"]
+        if any(g["params"] and isinstance(g["params"][0], str) for s in states for g in s["param_groups"]):
+            # saved sharded, resumed replicated: the state is keyed by parameter name
+            assert self.lightning_module is not None
+            names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+            where = str(self._ckpt_loaded_from or "the checkpoint")
+            checkpoint = {**checkpoint, "optimizer_states": [indexed_optimizer_state(s, opt, names, where) for s, opt in zip(states, self.optimizers)]}
+        super().load_optimizer_state_dict(checkpoint)
 
     # ------------------------------------------------------------------ compile
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        self._check_fsdp_trainer(trainer)
         super().setup(trainer)
         module = self.lightning_module
         assert module is not None

@@ -1,16 +1,20 @@
-"""Checkpoints under AutoSP (replicated mode): a run interrupted and resumed from a
-``ModelCheckpoint`` file equals the uninterrupted run. Sharded mode (``fsdp=True``) refuses
-checkpoints for now (``tests/test_fsdp.py``)."""
+"""Checkpoints under AutoSP: a run interrupted and resumed from a ``ModelCheckpoint`` equals the
+uninterrupted run, replicated (one file) and sharded (one file per rank); a sharded checkpoint
+resumes on other layouts with the same parameters and optimizer state."""
 
 import lightning as L
+import pytest
 import torch
 from sp_harness import LMModule, TokenData, lm_loss, make_model, make_optimizer, rel_err, run_fit
+
+from lightning_autosp.checkpoint import ShardedCheckpoint
 
 LR = 1e-2
 STEPS, SAVE_AT = 8, 4  # 4 batches per epoch: the checkpoint closes epoch 0
 
 
-def test_resume_equals_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "sharded"])
+def test_resume_equals_the_uninterrupted_run(tmp_path, fsdp):
     """AdamW (its moments are state a resume must restore), sp=2, 8 steps over two epochs.
     Run A saves at step 4 and goes on; run B resumes from that file with ``ckpt_path``. B's
     losses and final parameters must equal A's (<= 1e-6 relative: the same layout and the same
@@ -23,10 +27,12 @@ def test_resume_equals_the_uninterrupted_run(tmp_path):
     def module():
         return LMModule("llama", lr=LR, optimizer="adamw", layers=1, log_loss=False)
 
-    full = run_fit(tmp_path, module(), data, 2, 2, steps=STEPS, callbacks=[save])
+    full = run_fit(tmp_path, module(), data, 2, 2, steps=STEPS, callbacks=[save], fsdp=fsdp)
     ckpt = ckpt_dir / f"epoch=0-step={SAVE_AT}.ckpt"
     assert sorted(p.name for p in ckpt_dir.iterdir()) == [ckpt.name, f"epoch=1-step={STEPS}.ckpt"]
-    resumed = run_fit(tmp_path, module(), data, 2, 2, steps=STEPS, ckpt_path=str(ckpt))
+    if fsdp:  # a directory, one file per rank
+        assert sorted(p.name for p in ckpt.iterdir()) == ["meta.pt", "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
+    resumed = run_fit(tmp_path, module(), data, 2, 2, steps=STEPS, ckpt_path=str(ckpt), fsdp=fsdp)
 
     loss_err = max(abs(g / w - 1) for a, b in zip(full.ranks, resumed.ranks) for g, w in zip(b["losses"], a["losses"][SAVE_AT:]))
     param_err = max(rel_err(b["final"][k], w) for a, b in zip(full.ranks, resumed.ranks) for k, w in a["final"].items())
@@ -41,7 +47,7 @@ def test_resume_equals_the_uninterrupted_run(tmp_path):
             assert rel_err(b["final"][key], want) <= 1e-6, key
 
     # negative control, on one device: the checkpoint's weights with a fresh AdamW
-    state = torch.load(ckpt, weights_only=False)
+    state = ShardedCheckpoint(ckpt).to_full() if fsdp else torch.load(ckpt, weights_only=False)
     model = make_model("llama", 1)
     model.load_state_dict({k.removeprefix("model."): v for k, v in state["state_dict"].items()})
     opt = make_optimizer("adamw", model.parameters(), LR)
