@@ -62,3 +62,196 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, fsdp):
     fresh_err = max(abs(f / w - 1) for f, w in zip(fresh[1:], full.ranks[0]["losses"][SAVE_AT + 1 :]))
     print(f"negative control, weights only (fresh AdamW): losses {fresh_err:.1e}")
     assert fresh_err > 1e-4
+
+
+def _state_now(trainer, module) -> dict:
+    """The whole model and the whole AdamW state, by parameter name, gathered from the shards
+    (a collective) or read from the replica."""
+    import math
+
+    import torch.distributed as dist
+
+    from lightning_autosp.checkpoint import named_optimizer_state, sharded_param_names, sharded_shapes
+    from lightning_autosp.fsdp import full_state_dict, is_sharded
+
+    optimizer = trainer.optimizers[0]
+    if not is_sharded(module):
+        names = {id(p): n for n, p in module.named_parameters()}
+        return {"params": {k: v.clone() for k, v in module.state_dict().items()}, "state": named_optimizer_state(optimizer, names)["state"]}
+    shapes = sharded_shapes(module)
+    mine = named_optimizer_state(optimizer, sharded_param_names(module))["state"]
+    every = [None] * trainer.world_size
+    dist.all_gather_object(every, mine)
+    state = {
+        name: {
+            k: torch.cat([e[name][k] for e in every])[: math.prod(shapes[name])].view(shapes[name]) if v.dim() else v
+            for k, v in entry.items()
+        }
+        for name, entry in mine.items()
+    }
+    return {"params": full_state_dict(module), "state": state, "shards": {k: v.clone() for k, v in module.state_dict().items()}}
+
+
+class _StateAtEnd(L.Callback):
+    def __init__(self, out):
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(_state_now(trainer, pl_module), f"{self.out}/rank{trainer.global_rank}.pt")
+
+
+class _ProbeAfterResume(LMModule):
+    """Records the restored state at the first batch after the resume, then stops: no step runs
+    (and nothing compiles)."""
+
+    def __init__(self, out, **kwargs):
+        super().__init__(**kwargs)
+        self.out = str(out)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        torch.save(_state_now(self.trainer, self), f"{self.out}/rank{self.global_rank}.pt")
+        self.trainer.should_stop = True
+        return -1  # skip the rest of the epoch
+
+
+def test_sharded_checkpoint_resumes_on_other_layouts(tmp_path):
+    """Saved by dp=2 x sp=2 with fsdp=True (4 shard files), resumed at sp=4, at dp=1 x sp=2 (2
+    ranks: each reads parts of two files) and replicated (fsdp=False): right after the restore,
+    every parameter and every AdamW state tensor (both moments, the step) equals the saving run's,
+    exactly - resharding only moves elements. Negative controls: the initial model differs, and
+    a layout-blind load (new rank r reads old file r) would not match."""
+    save = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    data = TokenData(8, 32)
+    kwargs = dict(kind="llama", lr=LR, optimizer="adamw", layers=1, log_loss=False)
+    (tmp_path / "saved").mkdir()
+    run_fit(tmp_path, LMModule(**kwargs), data, 4, 2, steps=2, callbacks=[save, _StateAtEnd(tmp_path / "saved")], fsdp=True)
+    ckpt = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["meta.pt"] + [f"shard-0000{r}-of-00004.pt" for r in range(4)]
+    saved = torch.load(tmp_path / "saved" / "rank0.pt", weights_only=False)
+    assert {k for e in saved["state"].values() for k in e} == {"step", "exp_avg", "exp_avg_sq"}
+
+    for name, devices, sp, fsdp in [("sp4", 4, 4, True), ("dp1xsp2", 2, 2, True), ("replicated", 2, 2, False)]:
+        out = tmp_path / name
+        out.mkdir()
+        run_fit(tmp_path, _ProbeAfterResume(out, **kwargs), data, devices, sp, steps=4, ckpt_path=str(ckpt), fsdp=fsdp)
+        for r in range(devices):
+            got = torch.load(out / f"rank{r}.pt", weights_only=False)
+            assert got["params"].keys() == saved["params"].keys()
+            for k, want in saved["params"].items():
+                assert torch.equal(got["params"][k], want), (name, r, k)
+            assert got["state"].keys() == saved["state"].keys()
+            for p, entry in saved["state"].items():
+                for k, want in entry.items():
+                    assert torch.equal(got["state"][p][k], want), (name, r, p, k)
+        print(f"resumed {name}: {len(saved['params'])} parameters and {sum(map(len, saved['state'].values()))} AdamW tensors identical")
+
+    # negative controls: the restore is what made them equal, and the layout matters
+    fresh = make_model("llama", 1).state_dict()
+    assert all(not torch.equal(fresh[k.removeprefix("model.")], v) for k, v in saved["params"].items() if "norm" not in k)
+    old = [torch.load(ckpt / f"shard-0000{r}-of-00004.pt", weights_only=True)["params"] for r in range(4)]
+    key = "model.layers.0.attention.wq.weight"
+    half = saved["params"][key].numel() // 2
+    blind = old[1][key]  # rank 1 of 2 reading the file of its own rank number: the second quarter
+    assert not torch.equal(blind, saved["params"][key].reshape(-1)[half : half + blind.numel()])
+    assert torch.equal(torch.cat([old[2][key], old[3][key]]), saved["params"][key].reshape(-1)[half:])
+
+
+def _save_sharded_gpt(rank, world, path):
+    """GPT (tied head) sharded over ``world`` ranks with AdamW state, saved; then loaded back into
+    a fresh sharded GPT, and into a Llama (refused; its values stay)."""
+    import torch.distributed as dist
+
+    from lightning_autosp import AutoSPError
+    from lightning_autosp.checkpoint import (
+        ShardedCheckpoint,
+        load_sharded_module,
+        load_sharded_optimizer,
+        named_optimizer_state,
+        save_sharded,
+        sharded_param_names,
+        sharded_shapes,
+        sharded_state_dict,
+    )
+    from lightning_autosp.fsdp import _sharded_entries, full_state_dict, shard_parameters
+
+    def sharded(kind, seed):
+        model = make_model(kind, 1)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+        shard_parameters(model, dist.group.WORLD)
+        return model
+
+    model = sharded("gpt", 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _, mod, name in _sharded_entries(model):  # gradients as the reduce-scatter leaves them: zero padding
+        plist = mod.parametrizations[name]
+        if not plist[0].already_sharded:  # (the tied head's owner: the same shard)
+            plist.original.grad = plist[0].right_inverse(torch.randn(plist[0].shape))
+    opt.step()
+    checkpoint = {"epoch": 3, "state_dict": sharded_state_dict(model), "optimizer_states": [named_optimizer_state(opt, sharded_param_names(model))]}
+    save_sharded(checkpoint, path, rank=rank, world=world, shapes=sharded_shapes(model), barrier=lambda name: dist.barrier())
+    save_sharded(checkpoint, path, rank=rank, world=world, shapes=sharded_shapes(model), barrier=lambda name: dist.barrier())  # over itself
+
+    source = ShardedCheckpoint(path)
+    again = sharded("gpt", 1)
+    opt2 = torch.optim.AdamW(again.parameters(), lr=0.1)
+    load_sharded_module(again, source, rank, world)
+    load_sharded_optimizer(opt2, 0, source, again, rank)
+    same_shards = all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    same_state = all(
+        torch.equal(opt.state[a][k], opt2.state[b][k]) for a, b in zip(model.parameters(), again.parameters()) for k in opt.state[a]
+    )
+    llama = sharded("llama", 2)
+    before = [p.clone() for p in llama.parameters()]
+    try:
+        load_sharded_module(llama, source, rank, world)
+        refused = None
+    except AutoSPError as exc:
+        refused = str(exc)
+    untouched = all(torch.equal(a, b) for a, b in zip(before, llama.parameters()))
+    return {"full": full_state_dict(model), "same_shards": same_shards, "same_state": same_state, "refused": refused, "untouched": untouched,
+            "tied": again.head.parametrizations.weight.original is again.wte.parametrizations.weight.original}
+
+
+def test_sharded_checkpoint_files_and_bad_input(tmp_path):
+    """3 ranks (every GPT parameter padded), AdamW state: the directory holds one shard file per
+    rank plus the index; a fresh sharded model reads back the same shards, ties and optimizer
+    state; any element range reads as the flat padded tensor (what another layout loads); the
+    full view equals the gathered model. Bad input names the file and changes nothing: a model
+    that does not fit, a missing shard, a truncated shard, a save that never finished."""
+    from sp_harness import spawn
+
+    from lightning_autosp import AutoSPError
+
+    path = tmp_path / "last.ckpt"
+    results = spawn(tmp_path, _save_sharded_gpt, 3, str(path))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("last")) == ["last.ckpt"]  # no .partial left
+    assert sorted(p.name for p in path.iterdir()) == ["meta.pt"] + [f"shard-0000{r}-of-00003.pt" for r in range(3)]
+    for r in results:
+        assert r["same_shards"] and r["same_state"] and r["tied"]
+        assert r["refused"] is not None and str(path) in r["refused"] and "does not fit this model" in r["refused"]
+        assert r["untouched"]
+    source = ShardedCheckpoint(path)
+    full = results[0]["full"]
+    for key, want in full.items():
+        assert torch.equal(source.full(key), want), key
+        flat = torch.cat([want.reshape(-1), want.new_zeros(4)])
+        chunk = -(-want.numel() // 2)  # what rank 1 of a 2-rank layout reads
+        assert torch.equal(source.read(key, chunk, 2 * chunk), flat[chunk : 2 * chunk]), key
+    assert any(v.numel() % 3 for v in full.values())  # padding was exercised
+    whole = source.to_full()
+    assert whole["epoch"] == 3 and set(whole["optimizer_states"][0]["state"]["wte.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+
+    shard1 = path / "shard-00001-of-00003.pt"
+    data = shard1.read_bytes()
+    shard1.write_bytes(data[: len(data) // 2])
+    with pytest.raises(AutoSPError, match=r"cannot read .*shard-00001-of-00003\.pt.*damaged or truncated"):
+        ShardedCheckpoint(path).full("wte.weight")
+    shard1.unlink()
+    with pytest.raises(AutoSPError, match=r"incomplete: shard-00001-of-00003\.pt missing"):
+        ShardedCheckpoint(path)
+    (path / "meta.pt").rename(tmp_path / "meta.pt")
+    with pytest.raises(AutoSPError, match=r"not a complete AutoSP checkpoint.*meta\.pt is missing"):
+        ShardedCheckpoint(path)
