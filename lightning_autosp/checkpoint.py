@@ -290,11 +290,15 @@ class ShardedCheckpoint:
     def full(self, key: str) -> torch.Tensor:
         return self.read(key, 0, _numel(self.shapes[key])).view(self.shapes[key])
 
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's whole state dict (full tensors), as the LightningModule names it."""
+        return {**self.meta["state_dict"], **{k: self.full(k).clone() for k in self.shapes}}
+
     def to_full(self) -> dict[str, Any]:
         """The whole checkpoint in Lightning's single-file form, with optimizer state still keyed
         by name (:func:`indexed_optimizer_state` positions it for an optimizer)."""
         checkpoint = dict(self.meta)
-        checkpoint["state_dict"] = {**self.meta["state_dict"], **{k: self.full(k).clone() for k in self.shapes}}
+        checkpoint["state_dict"] = self.model_state_dict()
         optimizers = []
         for i, named in enumerate(self.meta.get("optimizer_states", [])):
             state = {name: dict(entry) for name, entry in named["state"].items()}

@@ -255,3 +255,67 @@ def test_sharded_checkpoint_files_and_bad_input(tmp_path):
     (path / "meta.pt").rename(tmp_path / "meta.pt")
     with pytest.raises(AutoSPError, match=r"not a complete AutoSP checkpoint.*meta\.pt is missing"):
         ShardedCheckpoint(path)
+
+
+def _save_sharded_hf(rank, world, path):
+    """A small HF Llama held as ``self.model`` (as a LightningModule holds it), compiled
+    (``_orig_mod.``) and sharded, saved as a sharded checkpoint; returns its full weights."""
+    import torch.distributed as dist
+    from test_any_model import hf_model
+
+    from lightning_autosp.checkpoint import save_sharded, sharded_shapes, sharded_state_dict
+    from lightning_autosp.fsdp import full_state_dict, shard_parameters
+
+    holder = torch.nn.Module()
+    holder.model = hf_model("llama", 1)()
+    with torch.no_grad():  # trained weights, not the init: every tensor different
+        for p in holder.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    shard_parameters(holder, dist.group.WORLD)
+    state = {k.replace("model.", "model._orig_mod.", 1): v for k, v in sharded_state_dict(holder).items()}
+    shapes = {k.replace("model.", "model._orig_mod.", 1): v for k, v in sharded_shapes(holder).items()}
+    save_sharded({"state_dict": state}, path, rank=rank, world=world, shapes=shapes, barrier=lambda name: dist.barrier())
+    return {k.removeprefix("model."): v for k, v in full_state_dict(holder).items()}
+
+
+def test_export_to_one_file_and_to_hugging_face(tmp_path):
+    """``python -m lightning_autosp.export``: a sharded checkpoint of a Hugging Face Llama (keys
+    ``model._orig_mod.*`` as a compiled module inside a LightningModule saves them) becomes (a)
+    one file with the model's own keys that ``load_state_dict`` takes strictly on one device and
+    (b) ``save_pretrained`` files that ``from_pretrained`` loads: logits equal the trained
+    model's. A replicated single-file checkpoint exports the same way. Negative control: the
+    freshly initialised model's logits differ."""
+    import subprocess
+    import sys
+
+    from sp_harness import spawn
+    from test_any_model import hf_model
+
+    from lightning_autosp.export import export_state_dict, main
+
+    transformers = pytest.importorskip("transformers")
+    ckpt = tmp_path / "hf.ckpt"
+    trained = spawn(tmp_path, _save_sharded_hf, 2, str(ckpt))[0]
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    reference = hf_model("llama", 1)()
+    reference.load_state_dict(trained)
+    want = reference(input_ids=ids).logits
+
+    main([str(ckpt), str(tmp_path / "model.pt")])
+    one_file = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert sorted(one_file) == sorted(trained)  # own names: no model., _orig_mod., parametrizations
+    model = hf_model("llama", 1)()
+    assert (model(input_ids=ids).logits - want).abs().max() > 1e-2  # negative control: init weights
+    model.load_state_dict(one_file)  # strict
+    assert torch.equal(model(input_ids=ids).logits, want)
+
+    reference.config.save_pretrained(tmp_path / "config")
+    cmd = [sys.executable, "-m", "lightning_autosp.export", str(ckpt), str(tmp_path / "hf"), "--hf-config", str(tmp_path / "config")]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="sdpa")
+    assert (loaded(input_ids=ids).logits - want).abs().max().item() <= 1e-6
+
+    single = tmp_path / "replicated.ckpt"  # what fsdp=False writes (the module as LightningModule.state_dict names it)
+    torch.save({"state_dict": {f"model.{k}": v for k, v in trained.items()}, "epoch": 0}, single)
+    assert all(torch.equal(v, trained[k]) for k, v in export_state_dict(single).items())
+    assert sorted(export_state_dict(single, module="")) == sorted(f"model.{k}" for k in trained)
