@@ -48,6 +48,7 @@ from lightning_autosp.fsdp import (
 )
 from lightning_autosp.layout import SPLayout, check_sequence_fits, validate_layout, validate_sp_size
 from lightning_autosp.passes.sac import SACConfig
+from lightning_autosp.sampler import make_resumable
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -276,6 +277,17 @@ class AutoSPStrategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # every rank of an SP group reads the same samples; SP groups read disjoint ones
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Training loaders continue an interrupted epoch where a checkpoint stopped
+        (:class:`~lightning_autosp.sampler.ResumableOrder`)."""
+        dataloader = super().process_dataloader(dataloader)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.training:
+            epoch_loop = trainer.fit_loop.epoch_loop
+            make_resumable(dataloader, lambda: (trainer.current_epoch, epoch_loop.batch_progress.current.ready))
+        return dataloader
 
     # ------------------------------------------------------------------ sharded parameters
     @contextmanager

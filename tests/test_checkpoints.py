@@ -10,13 +10,13 @@ from sp_harness import LMModule, TokenData, lm_loss, make_model, make_optimizer,
 from lightning_autosp.checkpoint import ShardedCheckpoint
 
 LR = 1e-2
-STEPS, SAVE_AT = 8, 4  # 4 batches per epoch: the checkpoint closes epoch 0
+STEPS, SAVE_AT = 8, 3  # 4 batches per epoch: the checkpoint interrupts epoch 0
 
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "sharded"])
 def test_resume_equals_the_uninterrupted_run(tmp_path, fsdp):
     """AdamW (its moments are state a resume must restore), sp=2, 8 steps over two epochs.
-    Run A saves at step 4 and goes on; run B resumes from that file with ``ckpt_path``. B's
+    Run A saves at step 3 (mid-epoch) and goes on; run B resumes from it with ``ckpt_path``. B's
     losses and final parameters must equal A's (<= 1e-6 relative: the same layout and the same
     compiled graphs, so the same arithmetic). Negative control: resuming the weights alone
     (a fresh AdamW) diverges."""
@@ -29,7 +29,7 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, fsdp):
 
     full = run_fit(tmp_path, module(), data, 2, 2, steps=STEPS, callbacks=[save], fsdp=fsdp)
     ckpt = ckpt_dir / f"epoch=0-step={SAVE_AT}.ckpt"
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == [ckpt.name, f"epoch=1-step={STEPS}.ckpt"]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [ckpt.name, f"epoch=1-step={2 * SAVE_AT}.ckpt"]
     if fsdp:  # a directory, one file per rank
         assert sorted(p.name for p in ckpt.iterdir()) == ["meta.pt", "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
     resumed = run_fit(tmp_path, module(), data, 2, 2, steps=STEPS, ckpt_path=str(ckpt), fsdp=fsdp)
@@ -38,10 +38,11 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, fsdp):
     param_err = max(rel_err(b["final"][k], w) for a, b in zip(full.ranks, resumed.ranks) for k, w in a["final"].items())
     print(f"resume at step {SAVE_AT}: losses {loss_err:.1e}, final parameters {param_err:.1e}")
     for a, b in zip(full.ranks, resumed.ranks):
-        assert len(b["losses"]) == STEPS - SAVE_AT  # continued at step 5, nothing repeated
+        assert len(b["losses"]) == STEPS - SAVE_AT  # continued at step 4, nothing repeated
+        assert len(b["batches"]) == len(a["batches"][SAVE_AT:])
         for got, want in zip(b["losses"], a["losses"][SAVE_AT:]):
             assert abs(got - want) <= 1e-6 * abs(want)
-        for b_batch, a_batch in zip(b["batches"], a["batches"][SAVE_AT:]):  # the same data order
+        for b_batch, a_batch in zip(b["batches"], a["batches"][SAVE_AT:]):  # the same data order, mid-epoch too
             assert torch.equal(b_batch["input_ids"], a_batch["input_ids"])
         for key, want in a["final"].items():
             assert rel_err(b["final"][key], want) <= 1e-6, key
@@ -319,3 +320,43 @@ def test_export_to_one_file_and_to_hugging_face(tmp_path):
     torch.save({"state_dict": {f"model.{k}": v for k, v in trained.items()}, "epoch": 0}, single)
     assert all(torch.equal(v, trained[k]) for k, v in export_state_dict(single).items())
     assert sorted(export_state_dict(single, module="")) == sorted(f"model.{k}" for k in trained)
+
+
+def test_resumable_order_continues_the_epoch(recwarn):
+    """The training loader's index order after a mid-epoch resume (shuffled, 11 samples, so
+    DistributedSampler pads): on the same DP size each rank continues exactly as the
+    uninterrupted run, and over the epoch every sample is seen once (the padding duplicates
+    aside); on another DP size the epoch starts over, with a warning saying so. Negative
+    control: a resume without the saved state would repeat the epoch's first batches."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from lightning_autosp.sampler import make_resumable
+
+    data, batch, seen = list(range(11)), 2, 2
+
+    def loaders(dp):
+        out = []
+        for rank in range(dp):
+            loader = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, num_replicas=dp, rank=rank, shuffle=True, seed=5))
+            assert make_resumable(loader, lambda: (1, seen))
+            loader.batch_sampler.sampler.set_epoch(1)
+            out.append(loader)
+        return out
+
+    full = [[b.tolist() for b in loader] for loader in loaders(2)]
+    state = loaders(2)[0].state_dict()
+    assert state == {"epoch": 1, "position": seen * batch * 2, "batches": seen, "dp_size": 2}
+    resumed = loaders(2)
+    for loader in resumed:
+        loader.load_state_dict(state)
+    rest = [[b.tolist() for b in loader] for loader in resumed]
+    assert rest == [f[seen:] for f in full]  # each rank: what the uninterrupted run had left
+    before = [i for f in full for b in f[:seen] for i in b]
+    after = [i for r in rest for b in r for i in b]
+    assert sorted(set(before + after)) == data and len(before + after) == 12  # 11 + one padding duplicate
+    assert [[b.tolist() for b in loader] for loader in loaders(2)][0][:seen] == full[0][:seen]  # negative control
+
+    other = loaders(3)
+    other[0].load_state_dict(state)
+    assert [b.tolist() for b in other[0]] == [b.tolist() for b in loaders(3)[0]]  # starts over...
+    assert any("starts its sample order over" in str(w.message) for w in recwarn)  # ...and says so
