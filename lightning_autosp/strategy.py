@@ -15,6 +15,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from torch.utils._pytree import keystr, tree_flatten_with_path
@@ -443,6 +444,11 @@ class AutoSPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        if self.fsdp and module is not None and is_sharded(module) and trainer is not None and trainer.state.status == TrainerStatus.RUNNING:
+            # a fit that ran no epoch (resumed at max_steps) ends without on_train_end; not after
+            # an exception, where a peer may never reach this collective
+            unshard_parameters(module)
         if module is not None:
             for name in (*_COMPILED_STEPS, "clip_gradients"):
                 module.__dict__.pop(name, None)

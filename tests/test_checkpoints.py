@@ -21,7 +21,7 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, fsdp):
     compiled graphs, so the same arithmetic). Negative control: resuming the weights alone
     (a fresh AdamW) diverges."""
     ckpt_dir = tmp_path / "ckpt"
-    save = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=SAVE_AT, save_top_k=-1)
+    save = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=SAVE_AT, save_top_k=-1, save_last="link")
     data = TokenData(8, 32)
 
     def module():
@@ -29,7 +29,8 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, fsdp):
 
     full = run_fit(tmp_path, module(), data, 2, 2, steps=STEPS, callbacks=[save], fsdp=fsdp)
     ckpt = ckpt_dir / f"epoch=0-step={SAVE_AT}.ckpt"
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == [ckpt.name, f"epoch=1-step={2 * SAVE_AT}.ckpt"]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [ckpt.name, f"epoch=1-step={2 * SAVE_AT}.ckpt", "last.ckpt"]
+    assert (ckpt_dir / "last.ckpt").resolve() == (ckpt_dir / f"epoch=1-step={2 * SAVE_AT}.ckpt").resolve()
     if fsdp:  # a directory, one file per rank
         assert sorted(p.name for p in ckpt.iterdir()) == ["meta.pt", "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
     resumed = run_fit(tmp_path, module(), data, 2, 2, steps=STEPS, ckpt_path=str(ckpt), fsdp=fsdp)
@@ -101,6 +102,17 @@ class _StateAtEnd(L.Callback):
         torch.save(_state_now(trainer, pl_module), f"{self.out}/rank{trainer.global_rank}.pt")
 
 
+class _AtTeardown(L.Callback):
+    def __init__(self, out):
+        self.out = out
+
+    def teardown(self, trainer, pl_module, stage):
+        from lightning_autosp.fsdp import is_sharded
+
+        state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+        torch.save({"sharded": is_sharded(pl_module), "params": state}, f"{self.out}/rank{trainer.global_rank}.pt")
+
+
 class _ProbeAfterResume(LMModule):
     """Records the restored state at the first batch after the resume, then stops: no step runs
     (and nothing compiles)."""
@@ -145,6 +157,26 @@ def test_sharded_checkpoint_resumes_on_other_layouts(tmp_path):
                 for k, want in entry.items():
                     assert torch.equal(got["state"][p][k], want), (name, r, p, k)
         print(f"resumed {name}: {len(saved['params'])} parameters and {sum(map(len, saved['state'].values()))} AdamW tensors identical")
+
+    # resumed at max_steps: fit runs no epoch (no on_train_end), and still hands back full parameters
+    import os
+
+    from sp_harness import free_port
+    from torch.utils.data import DataLoader
+
+    from lightning_autosp import AutoSPStrategy
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    (tmp_path / "done").mkdir()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=[_AtTeardown(tmp_path / "done")],
+        strategy=AutoSPStrategy(sp_size=2, compile_backend="aot_eager", start_method="fork", fsdp=True),
+    )
+    trainer.fit(LMModule(**kwargs), DataLoader(data, batch_size=2), ckpt_path=str(ckpt))
+    for r in range(2):
+        got = torch.load(tmp_path / "done" / f"rank{r}.pt", weights_only=False)
+        assert not got["sharded"] and all(torch.equal(got["params"][k], v) for k, v in saved["params"].items())
 
     # negative controls: the restore is what made them equal, and the layout matters
     fresh = make_model("llama", 1).state_dict()

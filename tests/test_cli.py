@@ -58,12 +58,15 @@ def test_demo_task_needs_attention_across_the_sp_shards():
 @pytest.mark.parametrize("config,fsdp", [("llama_sp8.yaml", "false"), ("llama8b_sp8_fsdp.yaml", "true")])
 def test_gpu_config_parses(config, fsdp):
     out = subprocess.run(
-        [sys.executable, "-m", "lightning_autosp.cli", "fit", "--config", str(ROOT / "configs" / config), "--print_config"],
+        [sys.executable, "-m", "lightning_autosp.cli", "fit", "--config", str(ROOT / "configs" / config), "--ckpt_path=last", "--print_config"],
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "lightning_autosp.AutoSPStrategy" in out.stdout and "sp_size: 8" in out.stdout
     assert f"fsdp: {fsdp}" in out.stdout
+    assert "ckpt_path: last" in out.stdout  # as examples/slurm/llama_sp8.sbatch resumes
+    if fsdp == "true":  # sharded checkpoints every 500 steps
+        assert "every_n_train_steps: 500" in out.stdout and "save_last: link" in out.stdout
 
 
 def test_short_name_strategy_under_the_cli(tmp_path, monkeypatch):
