@@ -15,8 +15,10 @@ import os
 import platform
 import re
 import socket
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -100,6 +102,20 @@ def finish(
     if plot is not None and getattr(args, "plot", None):
         plot(results, args.plot)
     return results
+
+
+def median_seconds(fn: Callable[[], Any], reps: int, before: Callable[[], Any], after: Optional[Callable[[], Any]] = None) -> float:
+    """The median wall time of ``reps`` calls of ``fn``, each timed from ``before()`` (a barrier,
+    a device sync) to the end of ``after()`` (if given)."""
+    times = []
+    for _ in range(reps):
+        before()
+        t = time.perf_counter()
+        fn()
+        if after is not None:
+            after()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def free_port() -> int:

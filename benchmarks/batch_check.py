@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from typing import Optional
 
 import _common  # noqa: F401  (puts the checkout on sys.path)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import arguments, finish, init_worker, launch, llama_config, parser
+from _common import arguments, finish, init_worker, launch, llama_config, median_seconds, parser
 
 from lightning_autosp.backend import AutoSPBackend
 from lightning_autosp.batch_agreement import batch_fingerprint, check_sp_batch_agreement
@@ -43,16 +41,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if any(S % args.nprocs for S in args.seq_lens):
         p.error("every --seq-lens value must be divisible by --nprocs")
     return args
-
-
-def _median_s(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namespace) -> None:
@@ -78,9 +66,9 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
                 torch._dynamo.mark_dynamic(t, 1)
             step(ids, labels).backward()  # compile
             rows[S] = {
-                "check_ms": 1e3 * _median_s(lambda: check_sp_batch_agreement([ids, labels], group, world, cpu, "bench"), args.reps),
-                "fingerprint_ms": 1e3 * _median_s(lambda: batch_fingerprint([ids, labels], cpu), args.reps),
-                "step_ms": 1e3 * _median_s(lambda: step(ids, labels).backward(), max(3, args.reps // 4)),
+                "check_ms": 1e3 * median_seconds(lambda: check_sp_batch_agreement([ids, labels], group, world, cpu, "bench"), args.reps, dist.barrier),
+                "fingerprint_ms": 1e3 * median_seconds(lambda: batch_fingerprint([ids, labels], cpu), args.reps, dist.barrier),
+                "step_ms": 1e3 * median_seconds(lambda: step(ids, labels).backward(), max(3, args.reps // 4), dist.barrier),
             }
         if rank == 0:
             torch.save({"args": arguments(args), "rows": rows}, os.path.join(out_dir, "result.pt"))

@@ -27,7 +27,6 @@ Example (well under 10 minutes on one H100/H200)::
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from dataclasses import replace
 from typing import Callable, Optional
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _common import (
-    GiB, MiB, PeakRSS, SavedBytes, arguments, check_steps_and_seq_lens, finish, machine, parser, write_json,
+    GiB, MiB, PeakRSS, SavedBytes, arguments, check_steps_and_seq_lens, finish, machine, median_seconds, parser, write_json,
 )
 
 VARIANTS = ("no_sp", "sp", "sp_sac")
@@ -142,14 +141,7 @@ def measure(model, fn, dev: Device, S: int, reps: int, full: bool = True) -> dic
         return {"peak": peak}
     saved = SavedBytes([*model.parameters(), *model.buffers(), ids, labels])
     step(saved)
-    times = []
-    for _ in range(reps):
-        dev.sync()
-        t = time.perf_counter()
-        step()
-        dev.sync()
-        times.append(time.perf_counter() - t)
-    return {"saved": saved.total, "peak": peak, "step_s": statistics.median(times)}
+    return {"saved": saved.total, "peak": peak, "step_s": median_seconds(step, reps, dev.sync, dev.sync)}
 
 
 def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda res: None) -> dict:

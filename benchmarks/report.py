@@ -1,7 +1,7 @@
 """Run the benchmarks behind ``BENCHMARKS.md`` and write it (``make benchmarks``).
 
 Steps: ``sp_throughput.py`` (CPU, 2 and 4 processes), ``trainability.py`` (traced real
-shapes), ``gpu_check.py`` (only with CUDA; without it the last GPU results in
+shapes), ``checkpoint_io.py`` (save/load, replicated against sharded), ``gpu_check.py`` (only with CUDA; without it the last GPU results in
 ``benchmarks/results/gpu_check.json`` are shown, if any). Results go to
 ``benchmarks/results/`` (JSON and PNG) and the page is rendered from them.
 ``sac_memory.py`` is run on its own; its figures are in ``docs/memory.md``.
@@ -20,6 +20,7 @@ import time
 from typing import Optional
 
 import _common
+import checkpoint_io
 import gpu_check
 import sp_throughput
 import torch
@@ -40,6 +41,7 @@ def run_all() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     sp_throughput.main(["--out", str(RESULTS / "sp_throughput.json"), "--plot", str(RESULTS / "sp_memory.png")])
     trainability.main(["--out", str(RESULTS / "trainability.json"), "--plot", str(RESULTS / "trainability.png")])
+    checkpoint_io.main(["--out", str(RESULTS / "checkpoint_io.json")])
     if torch.cuda.is_available():
         gpu_check.main(["--out", str(RESULTS / "gpu_check.json")])
 
@@ -91,7 +93,7 @@ def _impls(tp: dict) -> str:
 
 
 def render() -> str:
-    tp, tr, gpu = _load("sp_throughput"), _load("trainability"), _load("gpu_check")
+    tp, tr, gpu, ckpt = _load("sp_throughput"), _load("trainability"), _load("gpu_check"), _load("checkpoint_io")
     t = _sections()
     page = [t["header"].substitute()]
     if tp:
@@ -103,6 +105,8 @@ def render() -> str:
         ))
     if tr:
         page.append(t["trainability"].substitute(table=trainability.markdown(tr)))
+    if ckpt:
+        page.append(t["checkpoints"].substitute(table=checkpoint_io.markdown(ckpt)))
     page.append(t["gpu"].substitute())
     if gpu:
         page.append(t["gpu_results"].substitute(device=gpu["device"], machine=gpu["machine"], table=gpu_check.markdown(gpu)))

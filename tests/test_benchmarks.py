@@ -182,4 +182,5 @@ def test_report_renders_every_placeholder_from_the_stored_results():
     assert "$" not in page  # every placeholder of report_template.md was filled
     assert page.startswith("# Benchmarks\n") and "_Rendered " in page
     assert "\n- 2 processes: tokens/s of AutoSP without SAC" in page  # one key-ratio line per process count
-    assert "## 2. Trainability at real scale" in page and "## 3. One-GPU check" in page
+    assert "## 2. Trainability at real scale" in page and "## 4. One-GPU check" in page
+    assert "## 3. Checkpoints" in page and "Sharded over replicated: save time" in page
