@@ -94,12 +94,23 @@ def _state_now(trainer, module) -> dict:
     return {"params": full_state_dict(module), "state": state, "shards": {k: v.clone() for k, v in module.state_dict().items()}}
 
 
-class _StateAtEnd(L.Callback):
-    def __init__(self, out):
-        self.out = out
+class _StateAt(L.Callback):
+    """Saves :func:`_state_now` after step ``step``, or (``step=None``) when training starts,
+    after a restore."""
 
-    def on_train_end(self, trainer, pl_module):
+    def __init__(self, out, step=None):
+        self.out, self.step = out, step
+
+    def _save(self, trainer, pl_module):
         torch.save(_state_now(trainer, pl_module), f"{self.out}/rank{trainer.global_rank}.pt")
+
+    def on_train_start(self, trainer, pl_module):
+        if self.step is None:
+            self._save(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self._save(trainer, pl_module)
 
 
 class _AtTeardown(L.Callback):
@@ -128,25 +139,26 @@ class _ProbeAfterResume(LMModule):
 
 
 def test_sharded_checkpoint_resumes_on_other_layouts(tmp_path):
-    """Saved by dp=2 x sp=2 with fsdp=True (4 shard files), resumed at sp=4, at dp=1 x sp=2 (2
-    ranks: each reads parts of two files) and replicated (fsdp=False): right after the restore,
-    every parameter and every AdamW state tensor (both moments, the step) equals the saving run's,
-    exactly - resharding only moves elements. Negative controls: the initial model differs, and
-    a layout-blind load (new rank r reads old file r) would not match."""
+    """Saved at step 2 by dp=2 x sp=2 with fsdp=True (4 shard files), resumed at sp=4, at dp=1 x
+    sp=2 (2 ranks: each reads parts of two files) and replicated (fsdp=False): right after the
+    restore every parameter and every AdamW state tensor (both moments, the step) equals the
+    saving run's, exactly - resharding only moves elements. The dp=1 x sp=2 run then trains on
+    (batch 4 = the two DP groups' batches of 2, every sample with all its targets, so the global
+    mean is the mean of the groups' means): its losses and final parameters match the saving
+    run's steps 3-4 to 1e-5 - the layouts reduce in different orders (~1e-7 per step), which two
+    AdamW steps leave far below that on this data (measured below). Negative controls: the
+    initial model differs, and a layout-blind load (new rank r reads old file r) would not match."""
     save = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
-    data = TokenData(8, 32)
+    data = TokenData(8, 32, ignore="none")
     kwargs = dict(kind="llama", lr=LR, optimizer="adamw", layers=1, log_loss=False)
     (tmp_path / "saved").mkdir()
-    run_fit(tmp_path, LMModule(**kwargs), data, 4, 2, steps=2, callbacks=[save, _StateAtEnd(tmp_path / "saved")], fsdp=True)
+    full = run_fit(tmp_path, LMModule(**kwargs), data, 4, 2, steps=4, callbacks=[save, _StateAt(tmp_path / "saved", step=2)], fsdp=True)
     ckpt = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
     assert sorted(p.name for p in ckpt.iterdir()) == ["meta.pt"] + [f"shard-0000{r}-of-00004.pt" for r in range(4)]
     saved = torch.load(tmp_path / "saved" / "rank0.pt", weights_only=False)
     assert {k for e in saved["state"].values() for k in e} == {"step", "exp_avg", "exp_avg_sq"}
 
-    for name, devices, sp, fsdp in [("sp4", 4, 4, True), ("dp1xsp2", 2, 2, True), ("replicated", 2, 2, False)]:
-        out = tmp_path / name
-        out.mkdir()
-        run_fit(tmp_path, _ProbeAfterResume(out, **kwargs), data, devices, sp, steps=4, ckpt_path=str(ckpt), fsdp=fsdp)
+    def check_identical(name, out, devices):
         for r in range(devices):
             got = torch.load(out / f"rank{r}.pt", weights_only=False)
             assert got["params"].keys() == saved["params"].keys()
@@ -157,6 +169,20 @@ def test_sharded_checkpoint_resumes_on_other_layouts(tmp_path):
                 for k, want in entry.items():
                     assert torch.equal(got["state"][p][k], want), (name, r, p, k)
         print(f"resumed {name}: {len(saved['params'])} parameters and {sum(map(len, saved['state'].values()))} AdamW tensors identical")
+
+    for name, devices, sp, fsdp in [("sp4", 4, 4, True), ("replicated", 2, 2, False)]:
+        out = tmp_path / name
+        out.mkdir()
+        run_fit(tmp_path, _ProbeAfterResume(out, **kwargs), data, devices, sp, steps=4, ckpt_path=str(ckpt), fsdp=fsdp)
+        check_identical(name, out, devices)
+    (tmp_path / "dp1xsp2").mkdir()
+    cont = run_fit(tmp_path, LMModule(**kwargs), data, 2, 2, steps=4, batch_size=4, ckpt_path=str(ckpt), fsdp=True, callbacks=[_StateAt(tmp_path / "dp1xsp2")])
+    check_identical("dp1xsp2", tmp_path / "dp1xsp2", 2)
+    want = [(a + b) / 2 for a, b in zip(full.ranks[0]["losses"][2:], full.ranks[2]["losses"][2:])]  # the two DP groups
+    loss_err = max(abs(g / w - 1) for g, w in zip(cont.ranks[0]["losses"], want))
+    param_err = max(rel_err(cont.ranks[0]["final"][k], v) for k, v in full.ranks[0]["final"].items())
+    print(f"dp=2 x sp=2 -> dp=1 x sp=2, steps 3-4: losses {loss_err:.1e}, final parameters {param_err:.1e}")
+    assert len(cont.ranks[0]["losses"]) == 2 and loss_err <= 1e-5 and param_err <= 1e-5
 
     # resumed at max_steps: fit runs no epoch (no on_train_end), and still hands back full parameters
     import os
