@@ -7,17 +7,15 @@ group at all, and the FX graph cache keys stay free of Python objects.
 Backward of every op is its exact adjoint, which is what makes the SP rewrite produce the
 same gradients as one device (see ``docs/design.md``):
 
-====================  ==========================  ===============================
-op                    forward                     backward
-====================  ==========================  ===============================
-``all_to_all``        scatter ``dim_a``,          ``all_to_all`` with the dims
-                      gather ``dim_b``            swapped
-``all_to_all_flat``   chunk ``j`` of a 1-D        ``all_to_all_flat`` with the
-                      buffer to rank ``j``        counts swapped
-``all_reduce``        sum over the group          ``all_reduce`` (sum)
-``all_gather``        concat along ``dim``        ``reduce_scatter`` along ``dim``
-``reduce_scatter``    sum then split ``dim``      ``all_gather`` along ``dim``
-====================  ==========================  ===============================
+==================  ==========================  ===============================
+op                  forward                     backward
+==================  ==========================  ===============================
+``all_to_all``      scatter ``dim_a``,          ``all_to_all`` with the dims
+                    gather ``dim_b``            swapped
+``all_reduce``      sum over the group          ``all_reduce`` (sum)
+``all_gather``      concat along ``dim``        ``reduce_scatter`` along ``dim``
+``reduce_scatter``  sum then split ``dim``      ``all_gather`` along ``dim``
+==================  ==========================  ===============================
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from lightning_autosp._compat import reduce_scatter_single
 from lightning_autosp.layout import seq_split_sizes
 
-__all__ = ["all_to_all", "all_to_all_flat", "all_reduce", "all_gather", "reduce_scatter"]
+__all__ = ["all_to_all", "all_reduce", "all_gather", "reduce_scatter"]
 
 _NS = "autosp"
 
@@ -121,38 +119,6 @@ def _all_to_all_setup(ctx, inputs, output):
 
 
 all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
-
-
-# --------------------------------------------------------------------------- all_to_all_flat
-@torch.library.custom_op(f"{_NS}::all_to_all_flat", mutates_args=())
-def all_to_all_flat(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group_name: str) -> torch.Tensor:
-    """The exchange alone: ``send`` is 1-D, its first ``send_counts[0]`` elements go to rank 0,
-    the next ``send_counts[1]`` to rank 1, ...; the result holds what each rank sent here, in
-    rank order (``recv_counts[j]`` elements from rank ``j``).
-
-    The SP pass lays the buffers out with ordinary tensor ops around it (``unflatten``,
-    ``movedim``, ``split``, ``cat``), which the compiler fuses into the neighbouring kernels;
-    :func:`all_to_all` does the same layout work inside one opaque op.
-    """
-    recv = send.new_empty(sum(recv_counts))
-    dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts), group=_group(group_name))
-    return recv
-
-
-@all_to_all_flat.register_fake
-def _(send, send_counts, recv_counts, group_name):
-    return send.new_empty(sum(recv_counts))
-
-
-def _all_to_all_flat_backward(ctx, grad):
-    return all_to_all_flat(grad.contiguous(), ctx.recv_counts, ctx.send_counts, ctx.group_name), None, None, None
-
-
-def _all_to_all_flat_setup(ctx, inputs, output):
-    _, ctx.send_counts, ctx.recv_counts, ctx.group_name = inputs
-
-
-all_to_all_flat.register_autograd(_all_to_all_flat_backward, setup_context=_all_to_all_flat_setup)
 
 
 # --------------------------------------------------------------------------- all_reduce

@@ -23,7 +23,7 @@ from lightning_autosp.memory.accounting import OP_KINDS, node_kind
 from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes.sac import RECOMPUTABLE_KINDS, SACConfig, SACPartitioner, forward_nodes
 
-A2A = torch.ops.autosp.all_to_all_flat.default
+A2A = torch.ops.autosp.all_to_all.default
 
 
 def _batch(S, seed=0):

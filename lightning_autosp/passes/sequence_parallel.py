@@ -43,9 +43,9 @@ from lightning_autosp.layout import check_sequence_fits
 from lightning_autosp.passes.inplace import mutated_input, visit_inplace
 from lightning_autosp.passes.placement import is_tensor, shape_exprs
 from lightning_autosp.passes.rewrite import SPPassStats, SPRewrite
-from lightning_autosp.passes.sp_rules import ALL_TO_ALL_FLAT, SDPA, lookup
+from lightning_autosp.passes.sp_rules import ALL_TO_ALL, SDPA, lookup
 
-__all__ = ["sequence_parallel_pass", "SPPassStats", "SPRewrite", "find_sequence_symbol", "SDPA", "ALL_TO_ALL_FLAT"]
+__all__ = ["sequence_parallel_pass", "SPPassStats", "SPRewrite", "find_sequence_symbol", "SDPA", "ALL_TO_ALL"]
 
 log = logging.getLogger(__name__)
 
@@ -155,23 +155,12 @@ def _refuse_attention_in_subgraph(gm: fx.GraphModule, node: fx.Node) -> None:
 def _check_postcondition(graph: fx.Graph, stats: SPPassStats) -> None:
     graph.lint()
     for n in graph.find_nodes(op="call_function", target=SDPA):
-        if not all(isinstance(a, fx.Node) and _near_exchange(a, up=True) for a in n.args[:3]) or not all(
-            _near_exchange(u, up=False) for u in n.users
+        if not all(isinstance(a, fx.Node) and a.target is ALL_TO_ALL for a in n.args[:3]) or not all(
+            u.target is ALL_TO_ALL for u in n.users
         ):
             raise AutoSPError(f"internal: attention {n.name} was not fully rewritten for sequence parallelism")
     if stats.all_to_all != 4 * stats.sdpa:
         raise AutoSPError(f"internal: {stats.all_to_all} all-to-alls for {stats.sdpa} attention calls (expected 4 each)")
-
-
-def _near_exchange(node: fx.Node, up: bool, hops: int = 6) -> bool:
-    """Whether an all-to-all is ``node`` or within ``hops`` nodes of it, walking inputs (``up``)
-    or users: the rule lays out its buffers with a few view/copy ops on each side."""
-    frontier = [node]
-    for _ in range(hops):
-        if any(n.target is ALL_TO_ALL_FLAT for n in frontier):
-            return True
-        frontier = [m for n in frontier for m in (n.all_input_nodes if up else n.users)]
-    return False
 
 
 def _check_example_fits(gm: fx.GraphModule, seq: sympy.Symbol, sp_size: int, shift: int) -> None:

@@ -10,9 +10,7 @@ read.
 
 from __future__ import annotations
 
-import math
-import operator
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING
 
 import sympy
 import torch
@@ -26,7 +24,7 @@ if TYPE_CHECKING:
     from lightning_autosp.passes.rewrite import SPRewrite
 
 SDPA = F.scaled_dot_product_attention
-ALL_TO_ALL_FLAT = torch.ops.autosp.all_to_all_flat.default
+ALL_TO_ALL = torch.ops.autosp.all_to_all.default
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -64,59 +62,6 @@ def _sequence_local(rw: "SPRewrite", node: fx.Node, n: fx.Node, seq_dim: int) ->
     return rw.new_value[n]
 
 
-def _seq_sizes(rw: "SPRewrite") -> list[sympy.Expr]:
-    """Tokens of every SP rank (rank order), symbolic: the base chunk, the last rank the rest."""
-    chunk = rw.redistribute.sizes.chunk
-    return [chunk] * (rw.sp_size - 1) + [rw.seq - (rw.sp_size - 1) * chunk]
-
-
-def _local_shape(global_shape: Sequence[sympy.Expr], head_dim: int, heads: Any, seq_dim: int, tokens: sympy.Expr) -> list[sympy.Expr]:
-    shape = list(global_shape)
-    shape[head_dim], shape[seq_dim] = heads, tokens
-    return shape
-
-
-def _to_heads(rw: "SPRewrite", x: fx.Node, global_shape: Sequence[sympy.Expr], head_dim: int, seq_dim: int) -> fx.Node:
-    """``[.., h, S_r, ..]`` (this rank's tokens, all heads) -> ``[.., h/P, S, ..]`` (all tokens,
-    this rank's heads). The layout work is plain tensor ops the compiler can fuse with their
-    neighbours; only the exchange (:func:`~lightning_autosp.ops.all_to_all_flat`) is opaque:
-    head group ``j`` goes to rank ``j``, and the pieces received are joined in rank order."""
-    g, P = rw.graph, rw.sp_size
-    heads = int(global_shape[head_dim])
-    sizes = _seq_sizes(rw)
-    pieces_shape = [_local_shape(global_shape, head_dim, heads // P, seq_dim, n) for n in sizes]
-    send_count = rw.emit(math.prod(pieces_shape[rw.sp_rank]))
-    recv_counts = [rw.emit(math.prod(shape)) for shape in pieces_shape]
-    send = g.call_function(torch.unflatten, (x, head_dim, (P, heads // P)))  # [.., P, h/P, S_r, ..]
-    send = g.call_function(torch.movedim, (send, head_dim, 0))  # [P, .., h/P, S_r, ..]
-    send = g.call_method("reshape", (send, [-1]))
-    recv = g.call_function(ALL_TO_ALL_FLAT, (send, [send_count] * P, recv_counts, rw.group_name))
-    split = g.call_function(torch.split, (recv, recv_counts))
-    pieces = [
-        g.call_method("view", (g.call_function(operator.getitem, (split, j)), [rw.emit(d) for d in shape]))
-        for j, shape in enumerate(pieces_shape)
-    ]
-    return g.call_function(torch.cat, (pieces,), {"dim": seq_dim})
-
-
-def _to_sequence(rw: "SPRewrite", x: fx.Node, global_shape: Sequence[sympy.Expr], head_dim: int, seq_dim: int) -> fx.Node:
-    """The inverse of :func:`_to_heads`: ``[.., h/P, S, ..]`` -> ``[.., h, S_r, ..]``."""
-    g, P = rw.graph, rw.sp_size
-    heads = int(global_shape[head_dim])
-    sizes = _seq_sizes(rw)
-    pieces_shape = [_local_shape(global_shape, head_dim, heads // P, seq_dim, n) for n in sizes]
-    send_counts = [rw.emit(math.prod(shape)) for shape in pieces_shape]
-    recv_count = rw.emit(math.prod(pieces_shape[rw.sp_rank]))
-    split = g.call_function(torch.split, (x, [rw.emit(n) for n in sizes]), {"dim": seq_dim})
-    flat = [g.call_method("reshape", (g.call_function(operator.getitem, (split, j)), [-1])) for j in range(P)]
-    send = g.call_function(torch.cat, (flat,))
-    recv = g.call_function(ALL_TO_ALL_FLAT, (send, send_counts, [recv_count] * P, rw.group_name))
-    mine = [rw.emit(d) for d in pieces_shape[rw.sp_rank]]
-    out = g.call_method("view", (recv, [P, *mine]))  # [P head groups, .., h/P, S_r, ..]
-    out = g.call_function(torch.movedim, (out, 0, head_dim))  # [.., P, h/P, S_r, ..]
-    return g.call_function(torch.flatten, (out, head_dim, head_dim + 1))
-
-
 @sp_rule(op("scaled_dot_product_attention", SDPA, method=False), source=True)
 def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     bound = dict(zip(_SDPA_ARGS, node.args))
@@ -149,15 +94,15 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
             "dropout on activations, `F.dropout`/`nn.Dropout`, is supported)."
         )
     kv_repeat = _kv_repeat(node, heads, kv_heads, rw.sp_size, bool(bound.get("enable_gqa", False)))
+    seq_len = rw.emit(rw.seq)
+    group = (rw.group_name, rw.sp_size, seq_len, seq_dim, rw.sp_rank)
     qkv = []
     for n in (q, k, v):
         local = _sequence_local(rw, node, n, seq_dim)
-        shape = list(rw.shape(n))
         if n is not q and kv_repeat > 1:  # [B, Hk, S/P, D] -> [B, Hk*kv_repeat, S/P, D]
             local = rw.graph.call_function(torch.repeat_interleave, (local, kv_repeat), {"dim": head_dim})
-            shape[head_dim] = shape[head_dim] * kv_repeat
         # [B, H, S/P, D] -> [B, H/P, S, D]
-        qkv.append(_to_heads(rw, local, shape, head_dim, seq_dim))
+        qkv.append(rw.graph.call_function(ALL_TO_ALL, (local, head_dim, seq_dim, *group)))
         rw.stats.all_to_all += 1
     kwargs = {key: bound[key] for key in _SDPA_ARGS[3:] if key in bound}
     if kv_repeat > 1 and kv_heads * kv_repeat == heads:
@@ -179,7 +124,7 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     kwargs = {key: (rw.new_value[a] if isinstance(a, fx.Node) and key != "attn_mask" else a) for key, a in kwargs.items()}
     out = rw.graph.call_function(SDPA, tuple(qkv), kwargs)  # [B, H/P, S, D]
     # [B, H/P, S, D] -> [B, H, S/P, D]
-    back = _to_sequence(rw, out, rw.shape(node), head_dim, seq_dim)
+    back = rw.graph.call_function(ALL_TO_ALL, (out, seq_dim, head_dim, *group))
     rw.stats.all_to_all += 1
     rw.stats.sdpa += 1
     return back, rw.base_shard(seq_dim)
