@@ -72,7 +72,7 @@ def matmul(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
 
 
 @sp_rule(
-    op("layer_norm", F.layer_norm, method=False), op("rms_norm", F.rms_norm, method=False),
+    op("layer_norm", F.layer_norm, torch.layer_norm, method=False), op("rms_norm", F.rms_norm, torch.rms_norm, method=False),
     op("group_norm", F.group_norm, method=False), source=True,
 )
 def norm(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
