@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -104,8 +105,13 @@ class AutoSPBackend:
     seq_dim: int = 1
     backend: str = "inductor"
     sac: Optional[SACConfig] = None
+    #: tokens per chunk of the fused vocabulary projection and loss (0: automatic, None: off)
+    loss_chunk: Optional[int] = 0
     pass_stats: list[SPPassStats] = field(default_factory=list)
     saved_activations: list[SavedActivations] = field(default_factory=list, repr=False)
+    #: seconds spent so far in AutoSP's own compile steps: ``"sp_pass"`` (the SP pass) and
+    #: ``"partition"`` (SAC tagging, the min-cut partition and its checks, the records)
+    timings: dict[str, float] = field(default_factory=lambda: {"sp_pass": 0.0, "partition": 0.0}, repr=False)
 
     def __post_init__(self) -> None:
         if self.sac is not None and self.backend not in AOT_BACKENDS:
@@ -116,14 +122,18 @@ class AutoSPBackend:
             )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        start = time.perf_counter()
         gm = sequence_parallel_pass(
-            gm, example_inputs, sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=self.group_name, seq_dim=self.seq_dim
+            gm, example_inputs, sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=self.group_name, seq_dim=self.seq_dim,
+            loss_chunk=self.loss_chunk,
         )
         self.pass_stats.append(gm.meta["autosp"])
+        self.timings["sp_pass"] += time.perf_counter() - start
         if self.backend not in AOT_BACKENDS:
             return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
         partitioner = SACPartitioner(self.sac)
         compiled = self._compile_aot(gm, example_inputs, partitioner)
+        self.timings["partition"] += partitioner.seconds
         if not partitioner.records:  # an inference graph (no_grad): nothing is saved
             return compiled
         record = partitioner.records[-1]

@@ -7,7 +7,7 @@ from collections import Counter
 from contextlib import contextmanager
 from datetime import timedelta
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,12 @@ class AutoSPStrategy(DDPStrategy):
             device until ``setup`` initialises them (see :meth:`tensor_init_context`).
             Checkpoints saved during ``fit`` are directories with one file per rank
             (:mod:`lightning_autosp.checkpoint`) that resume on any layout, sharded or not.
+        chunked_loss: compute ``cross_entropy(linear(hidden, W_vocab), labels)`` in chunks of
+            tokens so the ``tokens x vocabulary`` logits are never live whole
+            (:mod:`lightning_autosp.fused_loss`; same loss and gradients). ``True`` (default)
+            sizes the chunks from the vocabulary (about 256 MiB of fp32 logits each), an int sets
+            the tokens per chunk, ``False`` keeps the logits. Applied only where nothing else in
+            the step reads the logits (a step that returns or logs them keeps them).
         **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument
             (``process_group_backend``, ``start_method``, ``timeout``, DDP kwargs such as
             ``find_unused_parameters``...).
@@ -130,6 +136,7 @@ class AutoSPStrategy(DDPStrategy):
         sac_memory_budget: float = 1.0,
         seq_dim: int = 1,
         fsdp: bool = False,
+        chunked_loss: Union[bool, int] = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -183,6 +190,16 @@ class AutoSPStrategy(DDPStrategy):
         if not isinstance(fsdp, bool):
             raise ValueError(f"AutoSPStrategy(fsdp={fsdp!r}): pass True (sharded parameters) or False (a replica per rank).")
         self.fsdp = fsdp
+        if isinstance(chunked_loss, bool):
+            self.loss_chunk: Optional[int] = 0 if chunked_loss else None
+        elif isinstance(chunked_loss, int) and chunked_loss > 0:
+            self.loss_chunk = chunked_loss
+        else:
+            raise ValueError(
+                f"AutoSPStrategy(chunked_loss={chunked_loss!r}): pass True (chunks sized from the vocabulary), "
+                "a positive number of tokens per chunk, or False (keep the full logits)."
+            )
+        self.chunked_loss = chunked_loss
         self._device_mesh: Optional["DeviceMesh"] = None
         self._backends: dict[str, AutoSPBackend] = {}
         self._checked: set[str] = set()
@@ -429,7 +446,7 @@ class AutoSPStrategy(DDPStrategy):
                 continue
             backend = AutoSPBackend(
                 sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=group_name, seq_dim=self.seq_dim, backend=self.compile_backend,
-                sac=self.sac_config if self.sac else None,
+                sac=self.sac_config if self.sac else None, loss_chunk=self.loss_chunk,
             )
             self._backends[name] = backend
             setattr(module, name, _compiled_step(getattr(module, name), backend))

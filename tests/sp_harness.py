@@ -312,6 +312,7 @@ def run_fit(
     gradient_clip_val: Optional[float] = None,
     callbacks: Sequence[L.Callback] = (),
     ckpt_path: Optional[str] = None,
+    chunked_loss: Any = True,
 ) -> Run:
     """Fit on ``devices`` forked CPU processes; ``sp_size=None`` means plain DDP."""
     os.environ["MASTER_PORT"] = str(free_port())
@@ -320,7 +321,9 @@ def run_fit(
     if sp_size is None:
         strategy: Any = L.pytorch.strategies.DDPStrategy(start_method="fork")
     else:
-        strategy = AutoSPStrategy(sp_size=sp_size, compile_backend=backend, start_method="fork", sac=sac, fsdp=fsdp)
+        strategy = AutoSPStrategy(
+            sp_size=sp_size, compile_backend=backend, start_method="fork", sac=sac, fsdp=fsdp, chunked_loss=chunked_loss
+        )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,

@@ -15,12 +15,15 @@ TOL = 1e-4
 # its loss, accumulates gradients and validates. Layouts: sp=2, sp=4 (31 tokens: 8, 8, 8, 7,
 # and a shifted loss, so a shard boundary may not lose a target), dp=2 x sp=2, sp=2 without SAC;
 # GPT at sp=2 with targets only in the first quarter of step 1's samples (SP rank 1 holds none).
+# The loss is the fused, chunked vocabulary projection (chunked_loss=True: one chunk at this
+# vocabulary), in chunks of 5 tokens at sp=4 (16 local tokens, 15 after the shift on the last
+# rank: uneven chunks), and unfused without SAC.
 CASES = {
     "gpt-sp2-ignore": ("gpt", 2, 2, dict(data="first_shard_only")),
     "llama-sp2-2layers-accumulate-validate": ("llama", 2, 2, dict(layers=2, log_loss=True, accumulate=2, validate=True)),
-    "llama-sp4-31tokens-shifted": ("llama", 4, 4, dict(seq_len=31, shift=True)),
+    "llama-sp4-31tokens-shifted": ("llama", 4, 4, dict(seq_len=31, shift=True, chunked_loss=5)),
     "llama-dp2xsp2": ("llama", 4, 2, {}),
-    "llama-sp2-nosac": ("llama", 2, 2, dict(sac=False)),
+    "llama-sp2-nosac": ("llama", 2, 2, dict(sac=False, chunked_loss=False)),
 }
 
 
@@ -39,7 +42,11 @@ def test_matches_single_device(tmp_path, case):
     layers, shift, accumulate = extras.get("layers", 1), extras.get("shift", False), extras.get("accumulate", 1)
     module = LMModule(kind, shift=shift, layers=layers, log_loss=extras.get("log_loss", False))
     val = TokenData(4, 32, seed=7) if extras.get("validate") else None
-    run = run_fit(tmp_path, module, _data(extras), devices, sp_size, sac=extras.get("sac", True), accumulate=accumulate, val_data=val)
+    chunked = extras.get("chunked_loss", True)
+    run = run_fit(
+        tmp_path, module, _data(extras), devices, sp_size, sac=extras.get("sac", True), accumulate=accumulate, val_data=val,
+        chunked_loss=chunked,
+    )
     if devices == 4 and sp_size == 2:
         check_groups_and_sampling(run)
     if extras.get("data") == "first_shard_only":
@@ -53,6 +60,7 @@ def test_matches_single_device(tmp_path, case):
     # the pass fired, once, for every length: no recompilation, and no op ran replicated
     graphs = run.ranks[0]["graphs"]["training_step"]
     assert sum(g.sdpa for g in graphs) == layers and all(not g.fallbacks for g in graphs)
+    assert sum(g.fused_losses for g in graphs) == (1 if chunked else 0)
     if extras.get("log_loss"):  # what self.log shows is the full-sequence loss too
         for rec in run.ranks:
             assert rec["logged"] == pytest.approx([l[0] for l in ref_losses], rel=TOL)

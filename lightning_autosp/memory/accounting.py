@@ -79,6 +79,7 @@ for _kind, _names in {
         "_log_softmax", "log_softmax", "nll_loss_forward", "nll_loss2d_forward", "nll_loss",
         "cross_entropy_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
         "binary_cross_entropy", "binary_cross_entropy_with_logits",
+        "linear_cross_entropy",  # autosp_loss:: (lightning_autosp.fused_loss)
     ),
 }.items():
     for _n in _names:

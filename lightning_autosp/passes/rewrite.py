@@ -32,6 +32,8 @@ class SPPassStats:
     seq_symbol: Optional[str] = None
     #: largest static shift of the sequence seen (``x[:, k:]``); the local chunk must be longer.
     max_shift: int = 0
+    #: ``cross_entropy(linear(..))`` computed in chunks of tokens (:mod:`lightning_autosp.fused_loss`)
+    fused_losses: int = 0
 
 
 class SPRewrite:
@@ -42,8 +44,12 @@ class SPRewrite:
     always those of the old graph (global sizes).
     """
 
-    def __init__(self, gm: fx.GraphModule, sp_size: int, sp_rank: int, group_name: str, seq: sympy.Symbol):
+    def __init__(
+        self, gm: fx.GraphModule, sp_size: int, sp_rank: int, group_name: str, seq: sympy.Symbol, loss_chunk: Optional[int] = 0
+    ):
         self.gm = gm
+        #: rows per chunk of the fused vocabulary projection and loss (0: automatic, None: off)
+        self.loss_chunk = loss_chunk
         self.sp_size = sp_size
         self.sp_rank = sp_rank
         self.group_name = group_name

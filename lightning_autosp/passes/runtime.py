@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from lightning_autosp import ops
+from lightning_autosp import fused_loss, ops
 
 
 def _is_static(v, k: int) -> bool:
@@ -118,6 +118,37 @@ def token_loss(
         )
     else:
         total = F.nll_loss(input, target, weight=weight, ignore_index=ignore_index, reduction="sum")
+    return _combine(total, target, weight, ignore_index, reduction, group_name, group_size)
+
+
+def linear_token_loss(
+    h: torch.Tensor,
+    proj: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    logits_dtype: Optional[torch.dtype],
+    with_grad: bool,
+    target: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    chunk: int,
+    group_name: str,
+    group_size: int,
+) -> torch.Tensor:
+    """:func:`token_loss` of ``cross_entropy`` on ``linear(h, proj, bias)`` (cast to
+    ``logits_dtype``), computed ``chunk`` tokens at a time (``0``: sized from the vocabulary) by
+    :func:`lightning_autosp.fused_loss.linear_cross_entropy`: the logits never exist whole."""
+    rows = h.reshape(-1, h.shape[-1])
+    chunk = chunk or fused_loss.auto_chunk_rows(proj.shape[0])
+    total = fused_loss.linear_cross_entropy(
+        rows, proj, bias, target, weight, ignore_index, label_smoothing, logits_dtype, chunk, with_grad
+    )[0]
+    return _combine(total, target, weight, ignore_index, reduction, group_name, group_size)
+
+
+def _combine(total, target, weight, ignore_index, reduction, group_name, group_size) -> torch.Tensor:
+    """The summed loss of this rank's tokens -> the loss of the whole sequence, over the SP group."""
     if reduction == "sum":
         return ops.all_reduce(total, group_name, group_size)
     valid = target != ignore_index

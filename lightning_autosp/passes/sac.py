@@ -8,7 +8,8 @@ tells it which forward ops to recompute through its public contract, ``node.meta
 * every SP collective (``autosp::*``, ``_c10d_functional::*``), every attention op, its
   outputs and its inputs are ``MUST_SAVE``: attention never runs twice and no collective is
   re-issued in backward (the partitioner would otherwise recompute a custom-op collective
-  under a memory budget);
+  under a memory budget); so are the outputs of the fused vocabulary loss
+  (``autosp_loss::linear_cross_entropy``), whose gradients were computed in forward;
 * forward ops of the kinds in :attr:`SACConfig.recompute` (default ``linear`` - matmuls and
   MLP activations - and ``norm``) are ``PREFER_RECOMPUTE``, which the min-cut partitioner
   treats as "recompute in backward": their outputs are not saved;
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -138,6 +140,7 @@ def parameter_gathers(joint: fx.GraphModule, fwd: set[fx.Node]) -> list[fx.Node]
 # the functional all-gather (the autograd variant traces to the plain one) and its wait
 _GATHERS = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional_autograd::all_gather_into_tensor")
 _WAIT = "_c10d_functional::wait_tensor"
+_FUSED_LOSS = "autosp_loss::linear_cross_entropy"
 
 
 def _op_name(node: fx.Node) -> Optional[str]:
@@ -179,7 +182,8 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
 
     Postcondition: the all-gathers of parameter shards (:func:`parameter_gathers`), their waits
     and views are ``MUST_RECOMPUTE``; every other forward collective, every attention op, its
-    ``getitem`` outputs and its tensor inputs are ``MUST_SAVE``; every other forward op whose kind is in
+    ``getitem`` outputs and its tensor inputs are ``MUST_SAVE``, as are the fused vocabulary
+    loss and its outputs; every other forward op whose kind is in
     ``config.recompute`` (random ops excepted) is ``PREFER_RECOMPUTE``, with the ``getitem``
     outputs of a multi-output op tagged like the op; nothing else is tagged.
     """
@@ -196,6 +200,9 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
             continue
         if _is_collective(node):
             save(node)
+        elif _op_name(node) == _FUSED_LOSS:
+            for n in (node, *(u for u in node.users if u.target is operator.getitem)):
+                save(n)
         elif _is_attention(node):
             save(node)
             for u in node.users:
@@ -253,10 +260,12 @@ class SACPartitioner(CustomPartitionerFn):
         self.config = config
         self.partition_fn = partition_fn
         self.records: list[SavedActivations] = []
+        self.seconds = 0.0  # spent in __call__ so far
 
     def __call__(
         self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        start = time.perf_counter()
         num_fwd_outputs: int = kwargs["num_fwd_outputs"]
         budget = 1.0
         if self.config is not None:
@@ -287,6 +296,7 @@ class SACPartitioner(CustomPartitionerFn):
             sac=self.config is not None,
         )
         self.records.append(record)
+        self.seconds += time.perf_counter() - start
         log.debug(
             "AutoSP partition (sac=%s): %d saved tensors, recomputed %s", self.config, len(record.tensors), record.recomputed
         )
@@ -335,3 +345,4 @@ class SACPartitioner(CustomPartitionerFn):
         self.config = state["config"]
         self.partition_fn = state["partition_fn"]
         self.records = []
+        self.seconds = 0.0

@@ -11,6 +11,8 @@ for one device into the graph one SP rank runs:
   (``[B, H, S/P, D] -> [B, H/P, S, D]`` with ``P = sp_size``) and one on its output (the reverse);
 * reductions over the sequence (``sum``, ``mean``, ``cross_entropy``/``nll_loss`` with any
   reduction and ``ignore_index``) are combined over the SP group, token-weighted;
+  ``cross_entropy`` of a ``linear`` whose logits nothing else reads is computed in chunks of
+  tokens, so the logits never exist whole (:mod:`lightning_autosp.fused_loss`);
 * a slice of a sharded tensor on the sequence (``logits[:, :-1]``) keeps every token where it is
   and is tracked as an uneven shard (see :mod:`.placement`): no token is lost at a boundary;
 * an op the pass has no rule for gets its sharded inputs all-gathered and runs replicated -
@@ -186,12 +188,15 @@ def sequence_parallel_pass(
     sp_rank: int,
     group_name: str,
     seq_dim: int = 1,
+    loss_chunk: Optional[int] = 0,
 ) -> fx.GraphModule:
     """Rewrite a Dynamo graph for Ulysses sequence parallelism (see the module docstring).
 
     Graphs without a symbolic sequence dim in their inputs are returned unchanged, unless they
     call SDPA, which is an error (the strategy marks the sequence dim dynamic before tracing).
-    The returned module carries :class:`SPPassStats` in ``meta["autosp"]``.
+    The returned module carries :class:`SPPassStats` in ``meta["autosp"]``. ``loss_chunk`` is the
+    number of tokens per chunk of a fused vocabulary projection and loss (``0``: chosen from the
+    vocabulary size, ``None``: never fuse; see :mod:`lightning_autosp.fused_loss`).
     """
     if sp_size < 1 or not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} must lie in [0, sp_size={sp_size})")
@@ -208,7 +213,7 @@ def sequence_parallel_pass(
             )
         gm.meta["autosp"] = SPPassStats()
         return gm
-    rw = SPRewrite(gm, sp_size, sp_rank, group_name, seq)
+    rw = SPRewrite(gm, sp_size, sp_rank, group_name, seq, loss_chunk)
     graph = _run(rw)
     _check_postcondition(graph, rw.stats)
     _check_example_fits(gm, seq, sp_size, rw.stats.max_shift)

@@ -4,12 +4,18 @@ A reduction over other dims stays sharded. A ``sum``/``mean`` over the sequence 
 local sum all-reduced over the SP group (``mean`` divided by the global count);
 ``cross_entropy``/``nll_loss`` become :func:`~lightning_autosp.passes.runtime.token_loss`,
 token-weighted and ``ignore_index``-aware, so the loss is the one of one device.
+
+``cross_entropy(linear(h, W, b) [row slices, reshapes to (tokens, V), dtype casts], target)``
+whose logits nothing else reads (not returned, logged or reused) becomes
+:func:`~lightning_autosp.passes.runtime.linear_token_loss`: the same loss, computed in chunks of
+tokens by :mod:`lightning_autosp.fused_loss`, so the ``tokens x V`` logits are never live.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING
+import operator
+from typing import TYPE_CHECKING, Any, Optional
 
 import sympy
 import torch
@@ -100,6 +106,12 @@ def loss(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     else:
         new_target = rw.redistribute.to_shard(tgt, target_shard)
     reduction = a["reduction"]
+    fused = _vocab_projection(rw, node, inp) if call.name == "cross_entropy" and reduction in ("mean", "sum") else None
+    if fused is not None and not (smoothing and weight is not None):
+        rw.stats.fused_losses += 1
+        args = (*fused, new_target, rw.new_value.get(weight) if weight is not None else None, a["ignore_index"], reduction,
+                smoothing or 0.0, rw.loss_chunk, rw.group_name, rw.sp_size)
+        return rw.graph.call_function(runtime.linear_token_loss, args), REPLICATE
     if reduction == "none":
         args = [rw.new_value[inp], new_target, *rw.new(node.args[2:])]
         return rw.copy(node, args, dict(rw.new(node.kwargs))), target_shard
@@ -113,3 +125,92 @@ def loss(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
         ),
     )
     return total, REPLICATE
+
+
+_LINEAR = (F.linear, torch._C._nn.linear)
+_RESHAPES = ("view", "reshape", "contiguous")
+_CASTS = ("float", "double", "half", "bfloat16", "to", "type")
+
+
+def _row_index(index: Any, ndim: int) -> bool:
+    """``x[index]`` only slices dims before the last (rows of the logits, not classes)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if not all(isinstance(i, slice) for i in index) or len(index) > ndim:
+        return False
+    return len(index) < ndim or index[-1] == slice(None)
+
+
+def _chain_step(rw: "SPRewrite", node: fx.Node, vocab: Any) -> Optional[fx.Node]:
+    """The input of ``node`` if ``node`` maps logit rows to logit rows (keeps the class dim
+    last and whole: row slices, reshapes, casts), else ``None``."""
+    val = rw.val(node)
+    if not isinstance(node.args[0] if node.args else None, fx.Node):
+        return None
+    src = node.args[0]
+    src_val = rw.val(src)
+    if not (isinstance(val, torch.Tensor) and isinstance(src_val, torch.Tensor)) or val.dim() < 1 or src_val.dim() < 1:
+        return None
+    if val.shape[-1] != vocab or src_val.shape[-1] != vocab or val.device != src_val.device:
+        return None
+    if node.op == "call_method" and node.target in _RESHAPES + _CASTS:
+        return src
+    if node.target is torch.reshape:
+        return src
+    if node.target is operator.getitem and _row_index(node.args[1], src_val.dim()):
+        return src
+    return None
+
+
+def _vocab_projection(rw: "SPRewrite", loss: fx.Node, inp: fx.Node) -> Optional[tuple]:
+    """``(h, W, b, logits_dtype, with_grad)`` in the new graph if the input ``inp`` of the
+    ``cross_entropy`` node ``loss`` is a ``linear`` seen through row slices, reshapes and casts,
+    read by nothing else; else ``None``. ``h`` carries the new graph's row slices (they differ
+    per rank on a shifted sequence). Dtypes follow what the graph recorded, autocast included:
+    ``h``, ``W``, ``b`` are cast to the dtype of the linear's output, and the loss is computed in
+    the dtype of the loss (autocast upcasts ``cross_entropy`` of bf16 logits to fp32)."""
+    if rw.loss_chunk is None or rw.val(inp).dim() != 2:
+        return None
+    vocab = rw.val(inp).shape[-1]
+    chain: list[fx.Node] = []
+    node = inp
+    while node.op != "call_function" or node.target not in _LINEAR:
+        chain.append(node)
+        node = _chain_step(rw, node, vocab)
+        if node is None:
+            return None
+    linear = node
+    if any(len(n.users) != 1 for n in (linear, *chain)):
+        return None  # the logits (or a view of them) are also returned, logged or reused
+    x, w = linear.args[0], linear.args[1] if len(linear.args) > 1 else linear.kwargs.get("weight")
+    b = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+    new_linear = rw.new_value[linear]
+    if not rw.is_shard(linear) or not isinstance(w, fx.Node) or rw.is_shard(w) or rw.is_shard(b) or rw.val(w).dim() != 2:
+        return None
+    if not (isinstance(new_linear, fx.Node) and new_linear.target in _LINEAR):
+        return None
+    # the linear's inputs as the new graph has them (h already this rank's tokens)
+    new_x, new_w = new_linear.args[0], new_linear.args[1] if len(new_linear.args) > 1 else new_linear.kwargs.get("weight")
+    new_b = new_linear.args[2] if len(new_linear.args) > 2 else new_linear.kwargs.get("bias")
+    # the same steps in the new graph; only its row slices act on h (reshapes and casts are implied)
+    new_chain, new = [], rw.new_value[inp]
+    while new is not new_linear:
+        if not isinstance(new, fx.Node) or not new.args or not isinstance(new.args[0], fx.Node):
+            return None
+        is_row_slice = new.target is operator.getitem and _row_index(new.args[1], rw.val(x).dim())
+        if not (is_row_slice or new.target is torch.reshape or (new.op == "call_method" and new.target in _RESHAPES + _CASTS)):
+            return None
+        new_chain.append(new)
+        new = new.args[0]
+    lin_dtype, loss_dtype = rw.val(linear).dtype, rw.val(loss).dtype
+
+    def cast(old: fx.Node, new: Any) -> Any:
+        return new if rw.val(old).dtype == lin_dtype else rw.graph.call_method("to", (new, lin_dtype))
+
+    h = cast(x, new_x)
+    for step in reversed(new_chain):
+        if step.target is operator.getitem:
+            h = rw.graph.call_function(operator.getitem, (h, step.args[1]))
+    bias = cast(b, new_b) if isinstance(b, fx.Node) else None
+    logits_dtype = loss_dtype if loss_dtype != lin_dtype else None
+    with_grad = bool(rw.val(linear).requires_grad)
+    return h, cast(w, new_w), bias, logits_dtype, with_grad
