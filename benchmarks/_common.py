@@ -132,6 +132,25 @@ def launch(worker: Callable[..., Any], nprocs: int, *args: Any) -> Any:
         return torch.load(os.path.join(d, "result.pt"), weights_only=False)
 
 
+def _run_worker(rank: int, world: int, port: int, out_dir: str, run: Callable[..., dict], threads: int, args: Any) -> None:
+    init_worker(rank, world, port, threads)
+    try:
+        result = run(rank, world, args)
+        if rank == 0:
+            torch.save(result, os.path.join(out_dir, "result.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_distributed(run: Callable[[int, int, Any], dict], nprocs: int, args: Any, threads: int = 1) -> dict:
+    """``run(rank, world, args)`` in ``nprocs`` forked processes with a gloo group
+    (:func:`init_worker`); rank 0's result, with the wall time of the whole launch as ``wall_s``."""
+    t = time.perf_counter()
+    res = launch(_run_worker, nprocs, run, threads, args)
+    res["wall_s"] = time.perf_counter() - t
+    return res
+
+
 def init_worker(rank: int, world_size: int, port: int, threads: int) -> None:
     """Per-process setup: threads, a gloo group, and glibc returning large frees to the OS
     at once (so that resident memory follows live tensors and peaks are comparable)."""

@@ -1,7 +1,8 @@
 """Run the benchmarks behind ``BENCHMARKS.md`` and write it (``make benchmarks``).
 
 Steps: ``sp_throughput.py`` (CPU, 2 and 4 processes), ``trainability.py`` (traced real
-shapes), ``checkpoint_io.py`` (save/load, replicated against sharded), ``gpu_check.py`` (only with CUDA; without it the last GPU results in
+shapes), ``checkpoint_io.py`` (save/load, replicated against sharded), ``vocab_loss.py`` (the
+fused loss against full logits), ``compile_time.py`` (first step against depth), ``gpu_check.py`` (only with CUDA; without it the last GPU results in
 ``benchmarks/results/gpu_check.json`` are shown, if any). Results go to
 ``benchmarks/results/`` (JSON and PNG) and the page is rendered from them.
 ``sac_memory.py`` is run on its own; its figures are in ``docs/memory.md``.
@@ -21,10 +22,12 @@ from typing import Optional
 
 import _common
 import checkpoint_io
+import compile_time
 import gpu_check
 import sp_throughput
 import torch
 import trainability
+import vocab_loss
 
 RESULTS = _common.ROOT / "benchmarks" / "results"
 PAGE = _common.ROOT / "BENCHMARKS.md"
@@ -42,6 +45,8 @@ def run_all() -> None:
     sp_throughput.main(["--out", str(RESULTS / "sp_throughput.json"), "--plot", str(RESULTS / "sp_memory.png")])
     trainability.main(["--out", str(RESULTS / "trainability.json"), "--plot", str(RESULTS / "trainability.png")])
     checkpoint_io.main(["--out", str(RESULTS / "checkpoint_io.json")])
+    vocab_loss.main(["--out", str(RESULTS / "vocab_loss.json")])
+    compile_time.main(["--out", str(RESULTS / "compile_time.json")])
     if torch.cuda.is_available():
         gpu_check.main(["--out", str(RESULTS / "gpu_check.json")])
 
@@ -94,6 +99,7 @@ def _impls(tp: dict) -> str:
 
 def render() -> str:
     tp, tr, gpu, ckpt = _load("sp_throughput"), _load("trainability"), _load("gpu_check"), _load("checkpoint_io")
+    vocab, ct = _load("vocab_loss"), _load("compile_time")
     t = _sections()
     page = [t["header"].substitute()]
     if tp:
@@ -107,6 +113,10 @@ def render() -> str:
         page.append(t["trainability"].substitute(table=trainability.markdown(tr)))
     if ckpt:
         page.append(t["checkpoints"].substitute(table=checkpoint_io.markdown(ckpt)))
+    if vocab:
+        page.append(t["vocab_loss"].substitute(table=vocab_loss.markdown(vocab)))
+    if ct:
+        page.append(t["compile_time"].substitute(table=compile_time.markdown(ct), wall_min=f"{ct['wall_s'] / 60:.0f}"))
     page.append(t["gpu"].substitute())
     if gpu:
         page.append(t["gpu_results"].substitute(device=gpu["device"], machine=gpu["machine"], table=gpu_check.markdown(gpu)))

@@ -21,7 +21,6 @@ The figures in ``docs/memory.md`` (about 2 minutes on 2 cores; not run by ``make
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Optional
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _common import (
-    MiB, SavedBytes, arguments, check_steps_and_seq_lens, finish, init_worker, launch, llama_config, parser, ratio,
+    MiB, SavedBytes, arguments, check_steps_and_seq_lens, finish, llama_config, parser, ratio, run_distributed,
 )
 
 from lightning_autosp.backend import AutoSPBackend
@@ -62,17 +61,8 @@ def block_of(t: SavedTensor) -> str:
     return "rest"
 
 
-def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namespace) -> None:
-    init_worker(rank, world, port, args.threads)
-    try:
-        result = run(rank, args)
-        if rank == 0:
-            torch.save(result, os.path.join(out_dir, "result.pt"))
-    finally:
-        dist.destroy_process_group()
 
-
-def run(rank: int, args: argparse.Namespace) -> dict:
+def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     cfg = llama_config(args, max_seq_len=max(args.seq_lens))
     group = dist.group.WORLD.group_name
     configs = {"no_sac": None, "sac": SACConfig()}
@@ -203,9 +193,7 @@ def plot(res: dict, path: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
-    t = time.perf_counter()
-    res = launch(worker, args.sp_size, args)
-    res["wall_s"] = time.perf_counter() - t
+    res = run_distributed(run, args.sp_size, args, threads=args.threads)
     return finish(res, args, report, plot)
 
 

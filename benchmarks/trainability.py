@@ -29,7 +29,7 @@ search finds). Assumptions (printed with the results):
 * the liveness walk is over unfused graphs: an upper bound for inductor, which never
   materialises many of those transients; allocator fragmentation, the CUDA context and
   NCCL buffers are covered by ``--usable`` (default 0.9 of the GPU);
-* 1- and 2-layer traces extrapolated linearly to the full depth (checked against a 3-layer
+* 2- and 3-layer traces extrapolated linearly to the full depth (checked against a 4-layer
   trace, printed).
 
 Example (the figures in BENCHMARKS.md)::
@@ -52,7 +52,7 @@ from lightning_autosp.examples.models import LlamaConfig
 
 SETTINGS = ("zero3", "autosp_fsdp", "ddp")
 # the sharded mode is AutoSP's own: only its variants run under it
-SETTING_VARIANTS = {"autosp_fsdp": ("sp", "sp_sac")}
+SETTING_VARIANTS = {"autosp_fsdp": ("sp", "sp_sac", "sp_sac_logits")}
 LABELS = {
     "no_sp_eager": "no SP, eager autograd",
     "no_sp": "no SP, compiled",
@@ -60,6 +60,7 @@ LABELS = {
     "ulysses_eager": "Ulysses SP, eager autograd (hand-written)",
     "sp": "AutoSP, no SAC",
     "sp_sac": "AutoSP + SAC",
+    "sp_sac_logits": "AutoSP + SAC, full logits (chunked_loss=False)",
 }
 PAPER = {"autosp_vs_handwritten": 2.7, "sac_vs_sp": 1.66, "vs_zero3_8b": 5.6}
 
@@ -123,9 +124,9 @@ def run(args: argparse.Namespace) -> dict:
         params = mm.param_counts(cfg, preset["tied"])
         t = time.perf_counter()
         models = {v: mm.layer_model(cfg, v, args.sp_size) for v in mm.VARIANTS}
-        # linear extrapolation in depth, checked against a real 3-layer trace
-        check = mm.trace(replace(cfg, n_layers=3), "sp_sac", args.sp_size).memory(65536)
-        pred = models["sp_sac"].memory(65536, n_layers=3)
+        # linear extrapolation in depth, checked against a real 4-layer trace
+        check = mm.trace(replace(cfg, n_layers=4), "sp_sac", args.sp_size).memory(65536)
+        pred = models["sp_sac"].memory(65536, n_layers=4)
         extrapolation_err = max(abs(pred[k] - check[k]) / check[k] for k in check)
         per_token = {v: m.memory(65536)["saved"] / 65536 for v, m in models.items()}
         rows: dict = {}
@@ -167,7 +168,7 @@ def markdown(res: dict) -> str:
         lines += [
             f"**{name}** ({p['total'] / 1e9:.2f} B parameters; saved activations per token per rank, at 64k tokens: "
             + ", ".join(f"{LABELS[v]} {b / 1024:.0f} KiB" for v, b in m["saved_bytes_per_token"].items())
-            + f"; depth extrapolation checked against a 3-layer trace: {m['extrapolation_rel_err']:.1e} rel. error)",
+            + f"; depth extrapolation checked against a 4-layer trace: {m['extrapolation_rel_err']:.1e} rel. error)",
             "",
             "| data-parallel setting | static GiB/rank | variant | longest sequence | largest power of 2 | "
             "activation peak at that length GiB | vs no SP (eager) | vs hand-written Ulysses | vs AutoSP no SAC |",
@@ -200,6 +201,7 @@ def comparison(res: dict) -> list[str]:
     pairs = [
         ("AutoSP + SAC / hand-written Ulysses (eager)", "sp_sac", "ulysses_eager", f"up to {PAPER['autosp_vs_handwritten']}x"),
         ("AutoSP + SAC / AutoSP without SAC", "sp_sac", "sp", f"{PAPER['sac_vs_sp']}x"),
+        ("AutoSP + SAC / the same keeping the full logits (chunked_loss=False)", "sp_sac", "sp_sac_logits", "-"),
         ("AutoSP + SAC / no SP (ZeRO-3, eager)", "sp_sac", "no_sp_eager", f"up to {PAPER['vs_zero3_8b']}x (8B)"),
         ("AutoSP + SAC / no SP (ZeRO-3, compiled)", "sp_sac", "no_sp", "-"),
         ("AutoSP + SAC / no SP (ZeRO-3, full activation checkpointing)", "sp_sac", "no_sp_ac", "-"),

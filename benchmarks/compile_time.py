@@ -1,0 +1,174 @@
+"""Compile time of AutoSP against a plain ``torch.compile`` of the same model, by depth.
+
+Two processes (CPU/gloo) compile and run the first training step (forward and backward) of a
+small Llama at each depth (``--layers``), with each backend (``--backends``), in two variants
+measured one after the other in the same processes:
+
+* ``plain``: ``torch.compile(step, backend=...)`` of the model without SP; each process runs the
+  whole sequence;
+* ``autosp``: the AutoSP backend as ``AutoSPStrategy`` builds it by default (sp=2, SAC on, the
+  fused vocabulary loss), rank 0 of the SP group.
+
+Both mark the sequence dim dynamic, as AutoSP does. Every measurement starts from a reset
+Dynamo and an empty inductor cache (``torch._inductor.utils.fresh_cache``; the AOT autograd
+cache is off), with one compile thread, so it is a cold compile, after a 1-layer warm-up
+compile of each variant (one-time costs of a process's first compile: imports, compiler
+probes); the sequence is short, so the first step's time is the compile time. Reported per depth: the first-step seconds of both
+(the slower rank's; both ranks compile at the same time), their ratio, and where AutoSP's
+extra time goes: its SP pass and its partition step (SAC tagging, PyTorch's min-cut partition
+and AutoSP's checks and records, from :attr:`AutoSPBackend.timings`) next to the plain
+compile's partition (the same min-cut partition, timed), and AOT autograd's tracing of both
+(metadata collection and the joint graph, from Dynamo's ``compilation_time_metrics``).
+
+Example (the figures in BENCHMARKS.md)::
+
+    .venv/bin/python benchmarks/compile_time.py --out benchmarks/results/compile_time.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from typing import Optional
+
+import _common  # noqa: F401  (puts the checkout on sys.path)
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from _common import arguments, finish, llama_config, machine, parser, run_distributed
+
+from lightning_autosp.backend import AutoSPBackend
+from lightning_autosp.examples.models import Llama
+from lightning_autosp.passes.sac import SACConfig
+
+VARIANTS = ("plain", "autosp")
+_PARTITION_METRIC = "min_cut_rematerialization_partition"  # inductor's timer of its partition
+_AOT_TRACE = ("aot_collect_metadata", "aot_trace_joint_graph")  # AOT autograd's tracing
+
+
+class _TimedPlain:
+    """torch's ``aot_eager`` backend (AOT autograd, min-cut partition, no-op compilers) with its
+    partition timed; ``inductor`` times its own."""
+
+    def __init__(self) -> None:
+        self.partition_s = 0.0
+
+    def partition(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return min_cut_rematerialization_partition(*args, **kwargs)
+        finally:
+            self.partition_s += time.perf_counter() - t
+
+    def __call__(self, gm, example_inputs):
+        return aot_autograd(
+            fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=self.partition, keep_inference_input_mutations=True
+        )(gm, example_inputs)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = parser(__doc__, model=dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=256))
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
+    p.add_argument("--backends", nargs="+", choices=["aot_eager", "inductor"], default=["aot_eager", "inductor"])
+    p.add_argument("--seq-len", type=int, default=128)
+    args = p.parse_args(argv)
+    if args.seq_len % 2:
+        p.error("--seq-len must be even (sp=2)")
+    return args
+
+
+
+def _first_step(model: torch.nn.Module, backend, ids: torch.Tensor, labels: torch.Tensor) -> float:
+    def step(a, b):
+        logits = model(a)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), b.view(-1))
+
+    compiled = torch.compile(step, backend=backend)
+    dist.barrier()
+    t = time.perf_counter()
+    compiled(ids, labels).backward()
+    dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the job's first step ends with its slower rank
+    return float(dt)
+
+
+def run(rank: int, world: int, args: argparse.Namespace) -> dict:
+    torch._inductor.config.compile_threads = 1
+    torch._functorch.config.enable_autograd_cache = False
+    group = dist.group.WORLD.group_name
+    base = llama_config(args, max_seq_len=args.seq_len)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, base.vocab_size, (1, args.seq_len), generator=g)
+    labels = torch.randint(0, base.vocab_size, (1, args.seq_len), generator=g)
+    torch._dynamo.mark_dynamic(ids, 1)
+    torch._dynamo.mark_dynamic(labels, 1)
+    out: dict = {"args": arguments(args), "machine": machine(), "runs": {}}
+
+    def measure(name: str, variant: str, depth: int) -> tuple[float, object]:
+        torch._dynamo.reset()
+        torch._dynamo.utils.compilation_time_metrics.clear()
+        torch.manual_seed(0)
+        model = Llama(replace(base, n_layers=depth))
+        if variant == "autosp":
+            backend = AutoSPBackend(sp_size=world, sp_rank=rank, group_name=group, backend=name, sac=SACConfig())
+        else:
+            backend = _TimedPlain() if name == "aot_eager" else name
+        with torch._inductor.utils.fresh_cache():
+            return _first_step(model, backend, ids, labels), backend
+
+    for name in args.backends:
+        for variant in VARIANTS:  # one-time costs of a process's first compile (imports, compiler probes)
+            measure(name, variant, 1)
+        for depth in args.layers:
+            row: dict = {}
+            for variant in VARIANTS:
+                seconds, backend = measure(name, variant, depth)
+                phases = {k: sum(v) for k, v in torch._dynamo.utils.compilation_time_metrics.items()}
+                if variant == "autosp":
+                    sp_pass, partition = backend.timings["sp_pass"], backend.timings["partition"]
+                else:
+                    sp_pass, partition = 0.0, backend.partition_s if name == "aot_eager" else phases.get(_PARTITION_METRIC, 0.0)
+                row[variant] = {
+                    "first_step_s": seconds, "sp_pass_s": sp_pass, "partition_s": partition,
+                    "aot_trace_s": sum(phases.get(k, 0.0) for k in _AOT_TRACE), "phases": phases,
+                }
+                if rank == 0:
+                    print(f"{name} {depth} layers {variant}: {seconds:.1f}s", flush=True)
+            out["runs"].setdefault(name, {})[depth] = row
+    return out
+
+
+def markdown(res: dict) -> str:
+    a = res["args"]
+    lines = [
+        f"First training step (compile + one forward/backward of {a['seq_len']} tokens) of a Llama with dim={a['dim']}, "
+        f"{a['n_heads']} heads, vocabulary {a['vocab_size']}; 2 processes on CPU ({res['machine']}), the slower rank's "
+        "time, cold caches, one compile thread; the breakdown columns are rank 0's.",
+        "",
+        "| backend | layers | plain torch.compile s | AutoSP s | AutoSP / plain | AutoSP: SP pass s | "
+        "partition s, plain / AutoSP (SAC tags, checks, records) | AOT tracing s, plain / AutoSP |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in res["runs"].items():
+        for depth, row in runs.items():
+            p, s = row["plain"], row["autosp"]
+            lines.append(
+                f"| {name} | {depth} | {p['first_step_s']:.1f} | {s['first_step_s']:.1f} | "
+                f"{s['first_step_s'] / p['first_step_s']:.2f}x | {s['sp_pass_s']:.2f} | {p['partition_s']:.2f} / "
+                f"{s['partition_s']:.2f} | {p['aot_trace_s']:.1f} / {s['aot_trace_s']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args = parse_args(argv)
+    res = run_distributed(run, 2, args, threads=1)
+    return finish(res, args, markdown)
+
+
+if __name__ == "__main__":
+    main()
