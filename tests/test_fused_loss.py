@@ -135,7 +135,15 @@ def test_pass_keeps_logits_the_step_returns_or_reads():
     def classes_not_last(a, b):  # cross_entropy on [B, V, S]
         return F.cross_entropy(model(a).transpose(1, 2), b)
 
-    for fn in (returns_logits, reads_logits, classes_not_last):
+    def slice_after_reshape(a, b):  # the slice picks rows of the flattened logits, not of h
+        logits = model(a)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1))[:-1], b.reshape(-1)[1:])
+
+    def double_rounding(a, b):  # fp32 -> fp16 -> fp32 rounds what one cast would not
+        logits = model(a)
+        return F.cross_entropy(logits.half().float().view(-1, logits.size(-1)), b.view(-1))
+
+    for fn in (returns_logits, reads_logits, classes_not_last, slice_after_reshape, double_rounding):
         out = _capture_fn(fn, model)
         assert out.meta["autosp"].fused_losses == 0, fn.__name__
         assert len(_vocab_linears(out)) == 1, fn.__name__

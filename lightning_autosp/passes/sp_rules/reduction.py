@@ -201,7 +201,14 @@ def _vocab_projection(rw: "SPRewrite", loss: fx.Node, inp: fx.Node) -> Optional[
             return None
         new_chain.append(new)
         new = new.args[0]
+    reshaped = False  # walking from the linear towards the loss
+    for step in reversed(new_chain):
+        if step.target is operator.getitem and reshaped:
+            return None  # a row slice after a reshape indexes the reshaped rows, not h's
+        reshaped = reshaped or step.target in ("view", "reshape") or step.target is torch.reshape
     lin_dtype, loss_dtype = rw.val(linear).dtype, rw.val(loss).dtype
+    if any(rw.val(n).dtype not in (lin_dtype, rw.val(inp).dtype) for n in chain):
+        return None  # an intermediate cast (fp32 -> fp16 -> fp32) rounds what one cast would not
 
     def cast(old: fx.Node, new: Any) -> Any:
         return new if rw.val(old).dtype == lin_dtype else rw.graph.call_method("to", (new, lin_dtype))
