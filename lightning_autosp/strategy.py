@@ -190,11 +190,7 @@ class AutoSPStrategy(DDPStrategy):
         if not isinstance(fsdp, bool):
             raise ValueError(f"AutoSPStrategy(fsdp={fsdp!r}): pass True (sharded parameters) or False (a replica per rank).")
         self.fsdp = fsdp
-        if isinstance(chunked_loss, bool):
-            self.loss_chunk: Optional[int] = 0 if chunked_loss else None
-        elif isinstance(chunked_loss, int) and chunked_loss > 0:
-            self.loss_chunk = chunked_loss
-        else:
+        if not isinstance(chunked_loss, bool) and not (isinstance(chunked_loss, int) and chunked_loss > 0):
             raise ValueError(
                 f"AutoSPStrategy(chunked_loss={chunked_loss!r}): pass True (chunks sized from the vocabulary), "
                 "a positive number of tokens per chunk, or False (keep the full logits)."
@@ -208,6 +204,14 @@ class AutoSPStrategy(DDPStrategy):
         self._diverged: set[str] = set()  # steps whose SP ranks compiled different graphs (warned)
         self._ckpt_source: Any = None  # the checkpoint being restored in the sharded mode
         self._ckpt_loaded_from: Any = None
+
+    @property
+    def loss_chunk(self) -> Optional[int]:
+        """Tokens per chunk of the fused vocabulary loss as the SP pass takes them (``0``: sized
+        from the vocabulary, ``None``: off), from ``chunked_loss``."""
+        if isinstance(self.chunked_loss, bool):
+            return 0 if self.chunked_loss else None
+        return self.chunked_loss
 
     # ------------------------------------------------------------------ layout
     @property

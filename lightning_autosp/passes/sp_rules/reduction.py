@@ -128,8 +128,8 @@ def loss(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
 
 
 _LINEAR = (F.linear, torch._C._nn.linear)
-_RESHAPES = ("view", "reshape", "contiguous")
-_CASTS = ("float", "double", "half", "bfloat16", "to", "type")
+_RESHAPES = ("view", "reshape")
+_KEEP_ROWS = ("contiguous", "float", "double", "half", "bfloat16", "to", "type")  # layout and dtype only
 
 
 def _row_index(index: Any, ndim: int) -> bool:
@@ -138,6 +138,16 @@ def _row_index(index: Any, ndim: int) -> bool:
     if not all(isinstance(i, slice) for i in index) or len(index) > ndim:
         return False
     return len(index) < ndim or index[-1] == slice(None)
+
+
+def _row_op(node: fx.Node, ndim: int) -> Optional[str]:
+    """How ``node`` (on a tensor of ``ndim`` dims) may act on logit rows: ``"slice"`` (rows
+    only), ``"reshape"`` (``view``/``reshape``), ``"keep"`` (layout or dtype), else ``None``."""
+    if node.target is operator.getitem:
+        return "slice" if _row_index(node.args[1], ndim) else None
+    if node.target is torch.reshape or (node.op == "call_method" and node.target in _RESHAPES):
+        return "reshape"
+    return "keep" if node.op == "call_method" and node.target in _KEEP_ROWS else None
 
 
 def _chain_step(rw: "SPRewrite", node: fx.Node, vocab: Any) -> Optional[fx.Node]:
@@ -152,13 +162,7 @@ def _chain_step(rw: "SPRewrite", node: fx.Node, vocab: Any) -> Optional[fx.Node]
         return None
     if val.shape[-1] != vocab or src_val.shape[-1] != vocab or val.device != src_val.device:
         return None
-    if node.op == "call_method" and node.target in _RESHAPES + _CASTS:
-        return src
-    if node.target is torch.reshape:
-        return src
-    if node.target is operator.getitem and _row_index(node.args[1], src_val.dim()):
-        return src
-    return None
+    return src if _row_op(node, src_val.dim()) is not None else None
 
 
 def _vocab_projection(rw: "SPRewrite", loss: fx.Node, inp: fx.Node) -> Optional[tuple]:
@@ -196,16 +200,14 @@ def _vocab_projection(rw: "SPRewrite", loss: fx.Node, inp: fx.Node) -> Optional[
     while new is not new_linear:
         if not isinstance(new, fx.Node) or not new.args or not isinstance(new.args[0], fx.Node):
             return None
-        is_row_slice = new.target is operator.getitem and _row_index(new.args[1], rw.val(x).dim())
-        if not (is_row_slice or new.target is torch.reshape or (new.op == "call_method" and new.target in _RESHAPES + _CASTS)):
+        kind = _row_op(new, rw.val(x).dim())
+        if kind is None:
             return None
-        new_chain.append(new)
+        new_chain.append((new, kind))
         new = new.args[0]
-    reshaped = False  # walking from the linear towards the loss
-    for step in reversed(new_chain):
-        if step.target is operator.getitem and reshaped:
-            return None  # a row slice after a reshape indexes the reshaped rows, not h's
-        reshaped = reshaped or step.target in ("view", "reshape") or step.target is torch.reshape
+    kinds = [kind for _, kind in reversed(new_chain)]  # from the linear towards the loss
+    if "reshape" in kinds and "slice" in kinds[kinds.index("reshape") :]:
+        return None  # a row slice after a reshape indexes the reshaped rows, not h's
     lin_dtype, loss_dtype = rw.val(linear).dtype, rw.val(loss).dtype
     if any(rw.val(n).dtype not in (lin_dtype, rw.val(inp).dtype) for n in chain):
         return None  # an intermediate cast (fp32 -> fp16 -> fp32) rounds what one cast would not
@@ -214,8 +216,8 @@ def _vocab_projection(rw: "SPRewrite", loss: fx.Node, inp: fx.Node) -> Optional[
         return new if rw.val(old).dtype == lin_dtype else rw.graph.call_method("to", (new, lin_dtype))
 
     h = cast(x, new_x)
-    for step in reversed(new_chain):
-        if step.target is operator.getitem:
+    for step, kind in reversed(new_chain):
+        if kind == "slice":
             h = rw.graph.call_function(operator.getitem, (h, step.args[1]))
     bias = cast(b, new_b) if isinstance(b, fx.Node) else None
     logits_dtype = loss_dtype if loss_dtype != lin_dtype else None
