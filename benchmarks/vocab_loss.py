@@ -142,8 +142,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             if "logits" not in row["run"]:  # saved bytes from the (symbolic) record of a run length
                 record = backends["logits"].saved_activations[-1] if backends["logits"].saved_activations else None
                 if record is not None:
-                    record.binding = tuple(S for _ in record.binding)
-                    row["derived_logits_saved_bytes"] = sum(record.bytes_by_kind().values())
+                    row["derived_logits_saved_bytes"] = sum(record.bytes_by_kind(record.binding_at(S)).values())
             if len(losses) == 2:
                 row["loss_rel_diff"] = abs(losses["fused"] - losses["logits"]) / abs(losses["logits"])
                 row["grad_rel_diff"] = max(

@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 
+from lightning_autosp.local_shapes import LocalShapeCompiled, LocalShapes, add_chunk_input, build_local_shapes
 from lightning_autosp.memory.accounting import SavedActivations, empty_by_kind
 from lightning_autosp.passes import SPPassStats, sequence_parallel_pass
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner
@@ -97,6 +98,14 @@ class AutoSPBackend:
     :class:`~lightning_autosp.memory.accounting.SavedActivations` per graph, sized for its
     latest call). Any other registered backend name is looked up and called unchanged after the
     SP pass; it gets no records, and ``sac`` is refused with it (``"eager"`` included).
+
+    With ``local_shapes`` (the default), the AOT backends compile a graph the SP pass rewrote in
+    a shape environment of its own, where the sequence length is ``sp_size*c - r``
+    (:mod:`lightning_autosp.local_shapes`): the local lengths are plain symbols, which compiles
+    faster, and AutoSP checks that compile's guards on every call itself. The records' sizes
+    then use that environment's symbols (:attr:`SavedActivations.length_symbols
+    <lightning_autosp.memory.accounting.SavedActivations.length_symbols>` says how they follow
+    the sequence length).
     """
 
     sp_size: int
@@ -107,6 +116,8 @@ class AutoSPBackend:
     sac: Optional[SACConfig] = None
     #: tokens per chunk of the fused vocabulary projection and loss (0: automatic, None: off)
     loss_chunk: Optional[int] = 0
+    #: compile SP graphs with the sequence length as ``sp_size*c - r`` (:mod:`lightning_autosp.local_shapes`)
+    local_shapes: bool = True
     pass_stats: list[SPPassStats] = field(default_factory=list)
     saved_activations: list[SavedActivations] = field(default_factory=list, repr=False)
     #: seconds spent so far in AutoSP's own compile steps: ``"sp_pass"`` (the SP pass) and
@@ -132,6 +143,10 @@ class AutoSPBackend:
         if self.backend not in AOT_BACKENDS:
             return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
         partitioner = SACPartitioner(self.sac)
+        stats = gm.meta["autosp"]
+        local = build_local_shapes(_example_values(gm), stats.seq_symbol, self.sp_size) if self.local_shapes and stats.sdpa else None
+        if local is not None:
+            return self._compile_local(gm, local, partitioner)
         compiled = self._compile_aot(gm, example_inputs, partitioner)
         self.timings["partition"] += partitioner.seconds
         if not partitioner.records:  # an inference graph (no_grad): nothing is saved
@@ -139,8 +154,36 @@ class AutoSPBackend:
         record = partitioner.records[-1]
         getters = _size_getters(gm)
         record.symbols = tuple(name for name, _, _ in getters)
+        record.length_symbols = {stats.seq_symbol: (1, None)} if stats.seq_symbol else {}
         self.saved_activations.append(record)
         return _recording_sizes(compiled, record, getters)
+
+    def _compile_local(self, gm: fx.GraphModule, local: LocalShapes, partitioner: SACPartitioner) -> Callable:
+        """Compile in a shape environment of the graph's own (:mod:`lightning_autosp.local_shapes`);
+        each compile's record of saved activations is sized with that environment's symbols."""
+        values = _example_values(gm)
+        add_chunk_input(gm)
+        records: list[SavedActivations] = []
+
+        def compile_one(inputs: list[Any], _: LocalShapes) -> Callable:
+            before, seconds = len(partitioner.records), partitioner.seconds
+            compiled = self._compile_aot(gm, inputs, partitioner)
+            self.timings["partition"] += partitioner.seconds - seconds
+            record = partitioner.records[-1] if len(partitioner.records) > before else None
+            if record is not None:
+                self.saved_activations.append(record)
+            records.append(record)
+            return compiled
+
+        def on_call(index: int, variant: LocalShapes, args: tuple) -> None:
+            record = records[index]
+            if record is not None:
+                record.symbols = variant.symbol_names()
+                record.length_symbols = variant.length_symbols()
+                record.binding = variant.symbol_values(args)
+                record.calls += 1
+
+        return LocalShapeCompiled(compile_one, local, values, gm.meta["autosp"].seq_symbol, on_call)
 
     def _compile_aot(self, gm: fx.GraphModule, example_inputs: list[Any], partitioner: SACPartitioner) -> Callable:
         if self.backend == "aot_eager":
@@ -176,6 +219,11 @@ class AutoSPBackend:
     @property
     def max_shift(self) -> int:
         return max((g.max_shift for g in self.pass_stats), default=0)
+
+
+def _example_values(gm: fx.GraphModule) -> list[Any]:
+    """The example values (fake tensors, SymInts) Dynamo recorded for the graph's inputs."""
+    return [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")]
 
 
 def _size_getters(gm: fx.GraphModule) -> list[tuple[str, int, Optional[int]]]:

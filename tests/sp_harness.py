@@ -252,6 +252,8 @@ class Recorder(L.Callback):
             self.rec["sp_group"] = dist.get_process_group_ranks(st.sp_group)
             self.rec["dp_group"] = dist.get_process_group_ranks(st.dp_group)
             self.rec["graphs"] = {k: list(c.pass_stats) for k, c in st.compiled_steps.items()}
+            if "training_step" in st.compiled_steps:  # how each compile's sizes follow the sequence length
+                self.rec["length_symbols"] = [dict(r.length_symbols) for r in st.compiled_steps["training_step"].saved_activations]
             if not st.fsdp:
                 self.rec["final"] = {k.removeprefix("model."): v.detach().clone() for k, v in pl_module.state_dict().items()}
             else:  # collectives: every rank

@@ -212,6 +212,10 @@ class SavedActivations:
     #: names of the size symbols (``"s0"``) and their values in the latest call
     symbols: tuple[str, ...] = ()
     binding: tuple[int, ...] = ()
+    #: the symbols that follow the global sequence length ``S``: name -> ``(divisor, remainder)``,
+    #: the symbol is ``ceil(S / divisor)``, for the lengths with ``divisor * ceil(S / divisor) - S
+    #: == remainder`` only (``None``: any length); see :meth:`binding_at`
+    length_symbols: dict = field(default_factory=dict)
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def snapshot(self) -> "SavedActivations":
@@ -219,6 +223,21 @@ class SavedActivations:
         copy = replace(self, tensors=list(self.tensors), recomputed=dict(self.recomputed))
         copy._cache = self._cache  # same tensors: the sizes per binding are shared
         return copy
+
+    def binding_at(self, seq_len: int) -> dict[str, int]:
+        """The size symbols at global sequence length ``seq_len``, the others as in the latest
+        call. Raises ``ValueError`` for a length the graph was not compiled for (another
+        remainder modulo ``sp_size``: the sizes of another compile)."""
+        out = dict(zip(self.symbols, self.binding))
+        for name, (divisor, remainder) in self.length_symbols.items():
+            value = -(-seq_len // divisor)
+            if remainder is not None and divisor * value - seq_len != remainder:
+                raise ValueError(
+                    f"this graph was compiled for sequence lengths S with {divisor}*ceil(S/{divisor}) - S == {remainder}; "
+                    f"{seq_len} is not one of them"
+                )
+            out[name] = value
+        return out
 
     def bytes_by_kind(self, binding: Optional[Mapping[str, int]] = None) -> dict[str, int]:
         """Bytes saved per op kind by one call; ``binding`` maps size-symbol names to values
