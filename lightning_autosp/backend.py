@@ -163,11 +163,16 @@ class AutoSPBackend:
         each compile's record of saved activations is sized with that environment's symbols."""
         values = _example_values(gm)
         add_chunk_input(gm)
+        pristine = copy.deepcopy(gm.graph)  # inductor's graph passes change the graph they compile
         records: list[SavedActivations] = []
 
         def compile_one(inputs: list[Any], _: LocalShapes) -> Callable:
             before, seconds = len(partitioner.records), partitioner.seconds
-            compiled = self._compile_aot(gm, inputs, partitioner)
+            target = gm
+            if records:  # a later compile: a fresh copy of the rewritten graph (node meta shared)
+                target = fx.GraphModule(gm, copy.deepcopy(pristine))
+                target.meta.update(gm.meta)
+            compiled = self._compile_aot(target, inputs, partitioner)
             self.timings["partition"] += partitioner.seconds - seconds
             record = partitioner.records[-1] if len(partitioner.records) > before else None
             if record is not None:

@@ -206,9 +206,14 @@ def build_local_shapes(
     for sym, getter in getters.items():
         if sym in subs:
             continue
-        new = env.create_symbol(hint(sym), ConstantSource(f"autosp_{sym}"), dynamic_dim=DimDynamic.DYNAMIC)
-        if isinstance(new, sympy.Symbol):
-            others[new] = getter
+        # the range Dynamo allows: a dynamic int input (a step counter) may be 0, 1 or negative,
+        # a size is at least 2 (Dynamo specializes 0 and 1)
+        low = old_env.var_to_range[sym].lower if sym in old_env.var_to_range else 2
+        wide = dict(positive=None, do_not_specialize_zero_one=True) if low < 2 else {}
+        new = env.create_symbol(hint(sym), ConstantSource(f"autosp_{sym}"), dynamic_dim=DimDynamic.DYNAMIC, **wide)
+        if not isinstance(new, sympy.Symbol):  # specialized to a constant: no guard would say so
+            return None
+        others[new] = getter
         subs[sym] = new
     old_values = {sym: hint(sym) for sym in getters}
 

@@ -122,3 +122,18 @@ def test_saved_sizes_at_another_length_follow_the_compiles_symbols():
     general = SavedActivations([SavedTensor("h", "linear", 4 * s + c, ("s",), "float32")], symbols=("s7", "s8"), binding=(8, 15),
                                length_symbols={"s7": (2, None), "s8": (1, None)})
     assert general.bytes_by_kind(general.binding_at(63))["linear"] == 4 * 63 + 32
+
+
+def test_a_dynamic_int_input_keeps_its_whole_range():
+    """Dynamo lets a dynamic int input (a step counter) be 0, 1 or negative; the compile's own
+    environment must not fix it to its first value (a size would be specialized at 0 or 1)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    _, values, seq = _graph(16)
+    env = next(v for v in values if isinstance(v, torch.Tensor)).fake_mode.shape_env
+    step = env.create_symintnode(env.create_unspecified_symbol(1, ConstantSource("step"), DimDynamic.DYNAMIC), hint=1)
+    local = build_local_shapes([*values, step], seq, 2)
+    assert local is not None and len(local.others) == 1  # a symbol, not the constant 1
+    args = _real_args(values, seq, 16)
+    assert all(local.accepts((*args, value)) for value in (0, 1, 5, -3))
