@@ -111,12 +111,16 @@ def shifted_loss(model, batch):
     return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
 
 
-def test_lengths_change_without_recompiling(tmp_path):
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_lengths_change_without_recompiling(tmp_path, backend):
     """Three lengths, one odd, with a shifted loss (the last rank holds the fewest targets):
     one compile, and the same graphs on every SP rank (a rank-dependent guard would make one
-    rank recompile alone - issue: at 11 tokens over 4 ranks the last held 1 target and did)."""
+    rank recompile alone - issue: at 11 tokens over 4 ranks the last held 1 target and did).
+    With inductor too: AutoSP's second compile (for the odd length) happens inside the step."""
     factory = lambda: TinyAttentionLM(heads=4, kv_heads=2)  # noqa: E731
-    run = run_fit(tmp_path, FnModule(factory, shifted_loss), VaryingLengths(), devices=2, sp_size=2, steps=3, batch_size=1)
+    run = run_fit(
+        tmp_path, FnModule(factory, shifted_loss), VaryingLengths(), devices=2, sp_size=2, steps=3, batch_size=1, backend=backend
+    )
     assert sorted(b["input_ids"].shape[1] for b in run.ranks[0]["batches"]) == VaryingLengths.LENGTHS
     loss_err, grad_err, naive = check_against_references(run, 2, factory, shifted_loss)
     print(f"lengths 24/31/40 sp2: loss {loss_err:.2e} grad {grad_err:.2e} (naive: grad {naive:.2e})")
