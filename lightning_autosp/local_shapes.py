@@ -142,6 +142,10 @@ def _fake_mode_of(example_inputs: list[Any]) -> Optional[FakeTensorMode]:
     return next((x.fake_mode for x in example_inputs if isinstance(x, FakeTensor)), None)
 
 
+class _Unsupported(Exception):
+    """An input size that cannot be rebuilt in the new environment."""
+
+
 def build_local_shapes(
     example_inputs: list[Any], seq: Any, sp_size: int, hints: Optional[dict[sympy.Symbol, int]] = None,
     exact: bool = True,
@@ -248,10 +252,6 @@ def build_local_shapes(
     return LocalShapes(env, mode, inputs, sp_size, chunk, remainder if exact else None, getters[seq], others, getters)
 
 
-class _Unsupported(Exception):
-    pass
-
-
 class LocalShapeCompiled:
     """The compiled graph(s) of one Dynamo graph, each compiled in its own shape environment;
     a call runs the first whose guards its sizes satisfy, compiling a new one if none does."""
@@ -268,11 +268,10 @@ class LocalShapeCompiled:
         self.variants: list[tuple[LocalShapes, Callable]] = []
         self._add(first)
 
-    def _add(self, local: LocalShapes) -> Callable:
+    def _add(self, local: LocalShapes) -> None:
         with tracing(TracingContext(local.mode)):
             compiled = self._compile_fn(local.inputs, local)
         self.variants.append((local, compiled))
-        return compiled
 
     def __call__(self, *args: Any) -> Any:
         for index, (local, compiled) in enumerate(self.variants):
