@@ -7,22 +7,22 @@ group at all, and the FX graph cache keys stay free of Python objects.
 Backward of every op is its exact adjoint, which is what makes the SP rewrite produce the
 same gradients as one device (see ``docs/design.md``):
 
-==================  ==========================  ===============================
-op                  forward                     backward
-==================  ==========================  ===============================
-``all_to_all``      scatter ``dim_a``,          ``all_to_all`` with the dims
-                    gather ``dim_b``            swapped
-``all_reduce``      sum over the group          ``all_reduce`` (sum)
-``all_gather``      concat along ``dim``        ``reduce_scatter`` along ``dim``
-``reduce_scatter``  sum then split ``dim``      ``all_gather`` along ``dim``
-==================  ==========================  ===============================
+====================  ==========================  ===============================
+op                    forward                     backward
+====================  ==========================  ===============================
+``seq_gather``        ``[P, .., S_r, ..]`` ->     ``seq_scatter``
+                      ``[.., S, ..]``
+``seq_scatter``       ``[.., S, ..]`` ->          ``seq_gather``
+                      ``[P, .., S_r, ..]``
+``all_reduce``        sum over the group          ``all_reduce`` (sum)
+``all_gather``        concat along ``dim``        ``reduce_scatter`` along ``dim``
+``reduce_scatter``    sum then split ``dim``      ``all_gather`` along ``dim``
+====================  ==========================  ===============================
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -30,7 +30,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from lightning_autosp._compat import reduce_scatter_single
 from lightning_autosp.layout import seq_split_sizes
 
-__all__ = ["all_to_all", "all_reduce", "all_gather", "reduce_scatter"]
+__all__ = ["seq_gather", "seq_scatter", "all_reduce", "all_gather", "reduce_scatter"]
 
 _NS = "autosp"
 
@@ -39,86 +39,87 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
-# --------------------------------------------------------------------------- all_to_all
-@torch.library.custom_op(f"{_NS}::all_to_all", mutates_args=())
-def all_to_all(
-    x: torch.Tensor,
-    scatter_dim: int,
-    gather_dim: int,
-    group_name: str,
-    group_size: int,
-    seq_len: Optional[int] = None,
-    seq_dim: int = -1,
-    rank: int = 0,
-) -> torch.Tensor:
-    """Split ``x`` into ``group_size`` chunks along ``scatter_dim``, send chunk ``j`` to rank
-    ``j``, and concatenate the chunks received along ``gather_dim`` (rank order).
+# --------------------------------------------------------------------------- seq_gather / seq_scatter
+@torch.library.custom_op(f"{_NS}::seq_gather", mutates_args=())
+def seq_gather(send: torch.Tensor, seq_dim: int, group_name: str, seq_len: int, rank: int) -> torch.Tensor:
+    """``send`` is ``[P, *piece]``: ``send[j]`` (this rank's tokens, head group ``j``) goes to
+    rank ``j``. The result is the pieces received (rank ``j``'s tokens, this rank's head group)
+    joined along ``seq_dim`` of the piece: ``seq_len`` tokens, split over the ranks as
+    :func:`~lightning_autosp.layout.seq_split_sizes` says. ``rank`` is this rank's index in the group.
 
-    Ulysses uses it as ``[B, H, S/P, D] -> [B, H/P, S, D]`` (scatter heads, gather sequence)
-    before attention and the reverse after it. With ``seq_len`` given, the sequence dim
-    ``seq_dim`` (``gather_dim`` before attention, ``scatter_dim`` after it) is split as
-    :func:`~lightning_autosp.layout.seq_split_sizes` says, so lengths need not be divisible by ``group_size``;
-    ``rank`` is this rank's index in the group.
+    With :func:`seq_scatter` (its adjoint) it is Ulysses' all-to-all with the even side as
+    ordinary tensor ops: the SP pass lays out ``send`` (and :func:`seq_scatter`'s result) with
+    ``unflatten``/``movedim``/``flatten``, which the compiler fuses into neighbouring kernels.
     """
-    pg = _group(group_name)
-    if seq_len is None:
-        chunks = x.chunk(group_size, dim=scatter_dim)  # P x [.., n/P, ..]
-        send = torch.stack(chunks, dim=0).contiguous()  # [P, *chunk]
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=pg)
-        return torch.cat(recv.unbind(0), dim=gather_dim)  # [.., m*P, ..]
+    group_size = send.shape[0]
     sizes = seq_split_sizes(seq_len, group_size)
-    if gather_dim == seq_dim:  # local tokens, all heads -> all tokens, our heads
-        parts = x.chunk(group_size, dim=scatter_dim)  # P views [.., H/P, .., n_r, ..]
-        shapes = []
-        for n in sizes:
-            shp = list(parts[0].shape)
-            shp[gather_dim] = n
-            shapes.append(shp)
-    else:  # all tokens, our heads -> local tokens, all heads
-        parts = x.split(sizes, dim=scatter_dim)  # P views [.., H/P, .., n_j, ..]
-        shp = list(parts[rank].shape)
-        shapes = [shp] * group_size
+    send = send.contiguous()
+    shapes = []
+    for n in sizes:
+        shape = list(send.shape[1:])
+        shape[seq_dim] = n
+        shapes.append(shape)
+    recv_counts = [math.prod(shape) for shape in shapes]
+    recv = send.new_empty(sum(recv_counts))
+    dist.all_to_all_single(
+        recv, send.view(-1), output_split_sizes=recv_counts, input_split_sizes=[send[0].numel()] * group_size,
+        group=_group(group_name),
+    )
+    return torch.cat([r.view(shape) for r, shape in zip(recv.split(recv_counts), shapes)], dim=seq_dim)
+
+
+@seq_gather.register_fake
+def _(send, seq_dim, group_name, seq_len, rank):
+    shape = list(send.shape[1:])
+    shape[seq_dim] = seq_len
+    return send.new_empty(shape)
+
+
+@torch.library.custom_op(f"{_NS}::seq_scatter", mutates_args=())
+def seq_scatter(x: torch.Tensor, seq_dim: int, group_name: str, group_size: int, seq_len: int, rank: int) -> torch.Tensor:
+    """The adjoint of :func:`seq_gather`: ``x`` holds all ``seq_len`` tokens (along ``seq_dim``)
+    of this rank's head group; rank ``j``'s tokens go to rank ``j``. The result is ``[P, *piece]``:
+    ``result[j]`` is this rank's tokens of rank ``j``'s head group."""
+    sizes = seq_split_sizes(seq_len, group_size)
+    parts = x.split(sizes, dim=seq_dim)
     send_counts = [p.numel() for p in parts]
     send = x.new_empty(sum(send_counts))
     for p, buf in zip(parts, send.split(send_counts)):  # one copy into the send buffer
         buf.view(p.shape).copy_(p)
-    recv_counts = [math.prod(shp) for shp in shapes]
-    recv = send.new_empty(sum(recv_counts))
+    recv = x.new_empty((group_size, *parts[rank].shape))
     dist.all_to_all_single(
-        recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=pg
+        recv.view(-1), send, output_split_sizes=[recv[0].numel()] * group_size, input_split_sizes=send_counts,
+        group=_group(group_name),
     )
-    pieces = [r.view(shp) for r, shp in zip(recv.split(recv_counts), shapes)]
-    return torch.cat(pieces, dim=gather_dim)
+    return recv
 
 
-@all_to_all.register_fake
-def _(x, scatter_dim, gather_dim, group_name, group_size, seq_len=None, seq_dim=-1, rank=0):
+@seq_scatter.register_fake
+def _(x, seq_dim, group_name, group_size, seq_len, rank):
     shape = list(x.shape)
-    if seq_len is None:
-        shape[scatter_dim] = shape[scatter_dim] // group_size
-        shape[gather_dim] = shape[gather_dim] * group_size
-    elif gather_dim == seq_dim:
-        shape[scatter_dim] = shape[scatter_dim] // group_size
-        shape[gather_dim] = seq_len
-    else:
-        shape[scatter_dim] = seq_split_sizes(seq_len, group_size)[rank]
-        shape[gather_dim] = shape[gather_dim] * group_size
-    return x.new_empty(shape)
+    shape[seq_dim] = seq_split_sizes(seq_len, group_size)[rank]
+    return x.new_empty((group_size, *shape))
 
 
-def _all_to_all_backward(ctx, grad):
-    g = all_to_all(
-        grad.contiguous(), ctx.gather_dim, ctx.scatter_dim, ctx.group_name, ctx.group_size, ctx.seq_len, ctx.seq_dim, ctx.rank
-    )
-    return g, None, None, None, None, None, None, None
+def _seq_gather_backward(ctx, grad):
+    return seq_scatter(grad.contiguous(), ctx.seq_dim, ctx.group_name, ctx.group_size, ctx.seq_len, ctx.rank), None, None, None, None
 
 
-def _all_to_all_setup(ctx, inputs, output):
-    _, ctx.scatter_dim, ctx.gather_dim, ctx.group_name, ctx.group_size, ctx.seq_len, ctx.seq_dim, ctx.rank = inputs
+def _seq_gather_setup(ctx, inputs, output):
+    send, ctx.seq_dim, ctx.group_name, ctx.seq_len, ctx.rank = inputs
+    ctx.group_size = send.shape[0]
 
 
-all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
+def _seq_scatter_backward(ctx, grad):
+    return seq_gather(grad, ctx.seq_dim, ctx.group_name, ctx.seq_len, ctx.rank), None, None, None, None, None
+
+
+def _seq_scatter_setup(ctx, inputs, output):
+    _, ctx.seq_dim, ctx.group_name, _, ctx.seq_len, ctx.rank = inputs
+
+
+seq_gather.register_autograd(_seq_gather_backward, setup_context=_seq_gather_setup)
+seq_scatter.register_autograd(_seq_scatter_backward, setup_context=_seq_scatter_setup)
 
 
 # --------------------------------------------------------------------------- all_reduce

@@ -23,33 +23,50 @@ def _global(seed: int, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def _all_to_all_rank(rank: int, world: int, seq_len: int) -> dict:
+def _split_layout(x, group, world, seq_len, rank):
+    """As the SP pass emits it: the even (head) side as tensor ops, the exchange and the uneven
+    (sequence) side in ``seq_gather``/``seq_scatter``."""
+    send = x.unflatten(1, (world, H // world)).movedim(1, 0).contiguous()  # [P, B, H/P, S_r, D]
+    heads = ops.seq_gather(send, 2, group, seq_len, rank)  # [B, H/P, S, D]
+    back = ops.seq_scatter(heads, 2, group, world, seq_len, rank)  # [P, B, H/P, S_r, D]
+    return heads, back.movedim(0, 1).flatten(1, 2)  # [B, H, S_r, D]
+
+
+_IMPLS = {"split_layout": _split_layout}
+
+
+def _all_to_all_rank(rank: int, world: int, seq_len: int, impl: str) -> dict:
     group = dist.group.WORLD.group_name
     x_full = _global(0, B, H, seq_len, D)  # the activations one device would hold
     start = sum(seq_split_sizes(seq_len, world)[:rank])
     count = seq_split_sizes(seq_len, world)[rank]
     x = x_full.narrow(2, start, count).clone().requires_grad_(True)  # [B, H, S_r, D]
-    heads = ops.all_to_all(x, 1, 2, group, world, seq_len, 2, rank)  # [B, H/P, S, D]
-    back = ops.all_to_all(heads, 2, 1, group, world, seq_len, 2, rank)  # [B, H, S_r, D]
-    weight = _global(1, B, H, seq_len, D)  # d loss / d heads, as one device sees it
-    (heads * weight.narrow(1, rank * H // world, H // world)).sum().backward()
+    heads, back = _IMPLS[impl](x, group, world, seq_len, rank)
+    # d loss / d heads and d loss / d back, as one device sees them (back is x again)
+    weight, weight_back = _global(1, B, H, seq_len, D), _global(2, B, H, seq_len, D)
+    loss = (heads * weight.narrow(1, rank * H // world, H // world)).sum() + (back * weight_back.narrow(2, start, count)).sum()
+    loss.backward()
     return {"heads": heads.detach(), "back": back.detach(), "grad": x.grad, "start": start, "count": count}
 
 
+@pytest.mark.parametrize("impl", sorted(_IMPLS))
 @pytest.mark.parametrize("world,seq_len", [(2, 8), (2, 7), (3, 10)])
-def test_uneven_all_to_all_and_its_adjoint(tmp_path, world, seq_len):
-    results = spawn(tmp_path, _all_to_all_rank, world, seq_len)
-    x_full, weight = _global(0, B, H, seq_len, D), _global(1, B, H, seq_len, D)
+def test_uneven_all_to_all_and_its_adjoint(tmp_path, world, seq_len, impl):
+    results = spawn(tmp_path, _all_to_all_rank, world, seq_len, impl)
+    x_full, weight, weight_back = (_global(seed, B, H, seq_len, D) for seed in range(3))
     per = H // world
     for rank, res in enumerate(results):
         # forward: this rank's heads over the whole sequence; the reverse op gives the shard back
         expected = x_full.narrow(1, rank * per, per)
         torch.testing.assert_close(res["heads"], expected, rtol=0, atol=0)
         torch.testing.assert_close(res["back"], x_full.narrow(2, res["start"], res["count"]), rtol=0, atol=0)
-        # backward: the single-device gradient of sum(heads * weight) restricted to this shard
-        torch.testing.assert_close(res["grad"], weight.narrow(2, res["start"], res["count"]), rtol=0, atol=0)
-    # negative control: another rank's heads are not what this rank received
+        # backward: the single-device gradient restricted to this shard, through both directions
+        expected_grad = weight.narrow(2, res["start"], res["count"]) + weight_back.narrow(2, res["start"], res["count"])
+        torch.testing.assert_close(res["grad"], expected_grad, rtol=0, atol=0)
+    # negative controls: another rank's heads are not what this rank received; the gradient of
+    # one direction alone is not the gradient
     assert not torch.allclose(results[0]["heads"], x_full.narrow(1, per, per))
+    assert not torch.allclose(results[0]["grad"], weight.narrow(2, 0, results[0]["count"]))
 
 
 def _windows_rank(rank: int, world: int, seq_len: int, offset: int, length: int, outer: int, inner: int) -> dict:

@@ -26,7 +26,7 @@ KEYS = [f"saved_{k}_bytes" for k in (*OP_KINDS, "total")] + ["peak_bytes"]
 # ----------------------------------------------------------------------------- units
 def test_op_kinds():
     assert op_kind("aten::mm") == op_kind("aten::addmm") == op_kind("aten::silu") == "linear"
-    assert op_kind("autosp::all_to_all") == op_kind("_c10d_functional::all_to_all_single") == "all_to_all"
+    assert op_kind("autosp::seq_gather") == op_kind("autosp::seq_scatter") == op_kind("_c10d_functional::all_to_all_single") == "all_to_all"
     assert op_kind("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert op_kind("aten::_scaled_dot_product_efficient_attention") == "attention"
     assert op_kind("aten::native_layer_norm") == op_kind("aten::mul", "RMSNorm") == "norm"

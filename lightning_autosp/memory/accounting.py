@@ -104,7 +104,7 @@ def empty_by_kind() -> dict[str, int]:
 
 
 def op_kind(op_name: str, module_type: Optional[str] = None) -> str:
-    """The kind of an op, from its qualified name (``"aten::mm"``, ``"autosp::all_to_all"``)
+    """The kind of an op, from its qualified name (``"aten::mm"``, ``"autosp::seq_gather"``)
     and, for ops with no kind of their own (elementwise, reductions), the class name of the
     innermost module it ran in (``"RMSNorm"`` -> ``norm``, ``"FeedForward"`` -> ``linear``)."""
     ns, _, name = op_name.rpartition("::")

@@ -45,9 +45,9 @@ from lightning_autosp.layout import check_sequence_fits
 from lightning_autosp.passes.inplace import mutated_input, visit_inplace
 from lightning_autosp.passes.placement import is_tensor, shape_exprs
 from lightning_autosp.passes.rewrite import SPPassStats, SPRewrite
-from lightning_autosp.passes.sp_rules import ALL_TO_ALL, SDPA, lookup
+from lightning_autosp.passes.sp_rules import SDPA, SEQ_GATHER, SEQ_SCATTER, lookup
 
-__all__ = ["sequence_parallel_pass", "SPPassStats", "SPRewrite", "find_sequence_symbol", "SDPA", "ALL_TO_ALL"]
+__all__ = ["sequence_parallel_pass", "SPPassStats", "SPRewrite", "find_sequence_symbol", "SDPA", "SEQ_GATHER", "SEQ_SCATTER"]
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +157,8 @@ def _refuse_attention_in_subgraph(gm: fx.GraphModule, node: fx.Node) -> None:
 def _check_postcondition(graph: fx.Graph, stats: SPPassStats) -> None:
     graph.lint()
     for n in graph.find_nodes(op="call_function", target=SDPA):
-        if not all(isinstance(a, fx.Node) and a.target is ALL_TO_ALL for a in n.args[:3]) or not all(
-            u.target is ALL_TO_ALL for u in n.users
+        if not all(isinstance(a, fx.Node) and a.target is SEQ_GATHER for a in n.args[:3]) or not all(
+            u.target is SEQ_SCATTER for u in n.users
         ):
             raise AutoSPError(f"internal: attention {n.name} was not fully rewritten for sequence parallelism")
     if stats.all_to_all != 4 * stats.sdpa:

@@ -7,7 +7,7 @@ globally) and :mod:`.attention` (Ulysses around SDPA).
 """
 
 from lightning_autosp.passes.sp_rules import random_ops, reduction, shape, tokenwise  # noqa: F401  (registers the rules)
-from lightning_autosp.passes.sp_rules.attention import ALL_TO_ALL, SDPA
+from lightning_autosp.passes.sp_rules.attention import SDPA, SEQ_GATHER, SEQ_SCATTER
 from lightning_autosp.passes.sp_rules.registry import OpCall, Rule, lookup, op, sp_rule
 
-__all__ = ["lookup", "sp_rule", "op", "OpCall", "Rule", "SDPA", "ALL_TO_ALL"]
+__all__ = ["lookup", "sp_rule", "op", "OpCall", "Rule", "SDPA", "SEQ_GATHER", "SEQ_SCATTER"]

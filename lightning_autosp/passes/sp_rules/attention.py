@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from lightning_autosp.passes.rewrite import SPRewrite
 
 SDPA = F.scaled_dot_product_attention
-ALL_TO_ALL = torch.ops.autosp.all_to_all.default
+SEQ_GATHER = torch.ops.autosp.seq_gather.default
+SEQ_SCATTER = torch.ops.autosp.seq_scatter.default
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -62,6 +63,28 @@ def _sequence_local(rw: "SPRewrite", node: fx.Node, n: fx.Node, seq_dim: int) ->
     return rw.new_value[n]
 
 
+def _to_heads(rw: "SPRewrite", x: fx.Node, heads: int, head_dim: int, seq_dim: int) -> fx.Node:
+    """``[.., h, S_r, ..]`` (this rank's tokens, all heads) -> ``[.., h/P, S, ..]`` (all tokens,
+    this rank's heads). The send buffer (head group ``j`` for rank ``j``) is laid out with plain
+    tensor ops the compiler can fuse into the producer; :func:`~lightning_autosp.ops.seq_gather`
+    exchanges and joins the pieces of uneven length."""
+    g, P = rw.graph, rw.sp_size
+    send = g.call_function(torch.unflatten, (x, head_dim, (P, heads // P)))  # [.., P, h/P, S_r, ..]
+    send = g.call_function(torch.movedim, (send, head_dim, 0))  # [P, .., h/P, S_r, ..]
+    send = g.call_method("contiguous", (send,))
+    return g.call_function(SEQ_GATHER, (send, seq_dim, rw.group_name, rw.emit(rw.seq), rw.sp_rank))
+
+
+def _to_sequence(rw: "SPRewrite", x: fx.Node, head_dim: int, seq_dim: int) -> fx.Node:
+    """The inverse of :func:`_to_heads`: ``[.., h/P, S, ..]`` -> ``[.., h, S_r, ..]``; the pieces
+    received (:func:`~lightning_autosp.ops.seq_scatter`) are put in head order with plain tensor
+    ops the compiler can fuse into the consumer."""
+    g, P = rw.graph, rw.sp_size
+    recv = g.call_function(SEQ_SCATTER, (x, seq_dim, rw.group_name, P, rw.emit(rw.seq), rw.sp_rank))  # [P, .., h/P, S_r, ..]
+    out = g.call_function(torch.movedim, (recv, 0, head_dim))  # [.., P, h/P, S_r, ..]
+    return g.call_function(torch.flatten, (out, head_dim, head_dim + 1))  # [.., h, S_r, ..]
+
+
 @sp_rule(op("scaled_dot_product_attention", SDPA, method=False), source=True)
 def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     bound = dict(zip(_SDPA_ARGS, node.args))
@@ -94,15 +117,15 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
             "dropout on activations, `F.dropout`/`nn.Dropout`, is supported)."
         )
     kv_repeat = _kv_repeat(node, heads, kv_heads, rw.sp_size, bool(bound.get("enable_gqa", False)))
-    seq_len = rw.emit(rw.seq)
-    group = (rw.group_name, rw.sp_size, seq_len, seq_dim, rw.sp_rank)
     qkv = []
     for n in (q, k, v):
         local = _sequence_local(rw, node, n, seq_dim)
+        n_heads = heads if n is q else kv_heads
         if n is not q and kv_repeat > 1:  # [B, Hk, S/P, D] -> [B, Hk*kv_repeat, S/P, D]
             local = rw.graph.call_function(torch.repeat_interleave, (local, kv_repeat), {"dim": head_dim})
+            n_heads = kv_heads * kv_repeat
         # [B, H, S/P, D] -> [B, H/P, S, D]
-        qkv.append(rw.graph.call_function(ALL_TO_ALL, (local, head_dim, seq_dim, *group)))
+        qkv.append(_to_heads(rw, local, n_heads, head_dim, seq_dim))
         rw.stats.all_to_all += 1
     kwargs = {key: bound[key] for key in _SDPA_ARGS[3:] if key in bound}
     if kv_repeat > 1 and kv_heads * kv_repeat == heads:
@@ -124,7 +147,7 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     kwargs = {key: (rw.new_value[a] if isinstance(a, fx.Node) and key != "attn_mask" else a) for key, a in kwargs.items()}
     out = rw.graph.call_function(SDPA, tuple(qkv), kwargs)  # [B, H/P, S, D]
     # [B, H/P, S, D] -> [B, H, S/P, D]
-    back = rw.graph.call_function(ALL_TO_ALL, (out, seq_dim, head_dim, *group))
+    back = _to_sequence(rw, out, head_dim, seq_dim)
     rw.stats.all_to_all += 1
     rw.stats.sdpa += 1
     return back, rw.base_shard(seq_dim)
