@@ -102,7 +102,7 @@ def _(x, seq_dim, group_name, group_size, seq_len, rank):
 
 
 def _seq_gather_backward(ctx, grad):
-    return seq_scatter(grad.contiguous(), ctx.seq_dim, ctx.group_name, ctx.group_size, ctx.seq_len, ctx.rank), None, None, None, None
+    return seq_scatter(grad, ctx.seq_dim, ctx.group_name, ctx.group_size, ctx.seq_len, ctx.rank), None, None, None, None
 
 
 def _seq_gather_setup(ctx, inputs, output):
