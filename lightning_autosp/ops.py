@@ -49,7 +49,10 @@ def seq_gather(send: torch.Tensor, seq_dim: int, group_name: str, seq_len: int, 
 
     With :func:`seq_scatter` (its adjoint) it is Ulysses' all-to-all with the even side as
     ordinary tensor ops: the SP pass lays out ``send`` (and :func:`seq_scatter`'s result) with
-    ``unflatten``/``movedim``/``flatten``, which the compiler fuses into neighbouring kernels.
+    ``unflatten``/``permute``/``flatten``, which the compiler fuses into neighbouring kernels.
+    When no dim of the piece before ``seq_dim`` is larger than 1 (the pass puts the sequence
+    outside the heads, so this holds for batch size 1), the pieces received already lie end to
+    end and the result is the receive buffer itself.
     """
     group_size = send.shape[0]
     sizes = seq_split_sizes(seq_len, group_size)
@@ -65,6 +68,10 @@ def seq_gather(send: torch.Tensor, seq_dim: int, group_name: str, seq_len: int, 
         recv, send.view(-1), output_split_sizes=recv_counts, input_split_sizes=[send[0].numel()] * group_size,
         group=_group(group_name),
     )
+    if math.prod(send.shape[1 : 1 + seq_dim]) == 1:  # the sequence is the outermost dim: the pieces lie end to end
+        out_shape = list(shapes[0])
+        out_shape[seq_dim] = seq_len
+        return recv.view(out_shape)
     return torch.cat([r.view(shape) for r, shape in zip(recv.split(recv_counts), shapes)], dim=seq_dim)
 
 
@@ -79,13 +86,18 @@ def _(send, seq_dim, group_name, seq_len, rank):
 def seq_scatter(x: torch.Tensor, seq_dim: int, group_name: str, group_size: int, seq_len: int, rank: int) -> torch.Tensor:
     """The adjoint of :func:`seq_gather`: ``x`` holds all ``seq_len`` tokens (along ``seq_dim``)
     of this rank's head group; rank ``j``'s tokens go to rank ``j``. The result is ``[P, *piece]``:
-    ``result[j]`` is this rank's tokens of rank ``j``'s head group."""
+    ``result[j]`` is this rank's tokens of rank ``j``'s head group. A contiguous ``x`` with no
+    dim before ``seq_dim`` larger than 1 is sent as it is; otherwise its pieces are copied into
+    the send buffer."""
     sizes = seq_split_sizes(seq_len, group_size)
     parts = x.split(sizes, dim=seq_dim)
     send_counts = [p.numel() for p in parts]
-    send = x.new_empty(sum(send_counts))
-    for p, buf in zip(parts, send.split(send_counts)):  # one copy into the send buffer
-        buf.view(p.shape).copy_(p)
+    if math.prod(x.shape[:seq_dim]) == 1 and x.is_contiguous():  # the pieces lie end to end: send x as it is
+        send = x.view(-1)
+    else:
+        send = x.new_empty(sum(send_counts))
+        for p, buf in zip(parts, send.split(send_counts)):  # one copy into the send buffer
+            buf.view(p.shape).copy_(p)
     recv = x.new_empty((group_size, *parts[rank].shape))
     dist.all_to_all_single(
         recv.view(-1), send, output_split_sizes=[recv[0].numel()] * group_size, input_split_sizes=send_counts,

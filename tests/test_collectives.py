@@ -16,7 +16,7 @@ from lightning_autosp import ops
 from lightning_autosp.layout import chunk_size, seq_split_sizes, shard_window
 from lightning_autosp.passes import runtime
 
-B, H, D = 2, 6, 3  # heads divisible by 2 and 3
+H, D = 6, 3  # heads divisible by 2 and 3
 
 
 def _global(seed: int, *shape: int) -> torch.Tensor:
@@ -25,35 +25,34 @@ def _global(seed: int, *shape: int) -> torch.Tensor:
 
 def _split_layout(x, group, world, seq_len, rank):
     """As the SP pass emits it: the even (head) side as tensor ops, the exchange and the uneven
-    (sequence) side in ``seq_gather``/``seq_scatter``."""
-    send = x.unflatten(1, (world, H // world)).movedim(1, 0).contiguous()  # [P, B, H/P, S_r, D]
-    heads = ops.seq_gather(send, 2, group, seq_len, rank)  # [B, H/P, S, D]
-    back = ops.seq_scatter(heads, 2, group, world, seq_len, rank)  # [P, B, H/P, S_r, D]
-    return heads, back.movedim(0, 1).flatten(1, 2)  # [B, H, S_r, D]
+    (sequence) side in ``seq_gather``/``seq_scatter``, the sequence outside the heads."""
+    send = x.unflatten(1, (world, H // world)).permute(1, 0, 3, 2, 4).contiguous()  # [P, B, S_r, H/P, D]
+    tokens = ops.seq_gather(send, 1, group, seq_len, rank)  # [B, S, H/P, D]
+    heads = tokens.transpose(1, 2)  # [B, H/P, S, D], what attention reads
+    back = ops.seq_scatter(heads.transpose(1, 2), 1, group, world, seq_len, rank)  # [P, B, S_r, H/P, D]
+    return heads, back.permute(1, 0, 3, 2, 4).flatten(1, 2)  # [B, H, S_r, D]
 
 
-_IMPLS = {"split_layout": _split_layout}
-
-
-def _all_to_all_rank(rank: int, world: int, seq_len: int, impl: str) -> dict:
+def _all_to_all_rank(rank: int, world: int, seq_len: int, batch: int) -> dict:
     group = dist.group.WORLD.group_name
-    x_full = _global(0, B, H, seq_len, D)  # the activations one device would hold
+    x_full = _global(0, batch, H, seq_len, D)  # the activations one device would hold
     start = sum(seq_split_sizes(seq_len, world)[:rank])
     count = seq_split_sizes(seq_len, world)[rank]
     x = x_full.narrow(2, start, count).clone().requires_grad_(True)  # [B, H, S_r, D]
-    heads, back = _IMPLS[impl](x, group, world, seq_len, rank)
+    heads, back = _split_layout(x, group, world, seq_len, rank)
     # d loss / d heads and d loss / d back, as one device sees them (back is x again)
-    weight, weight_back = _global(1, B, H, seq_len, D), _global(2, B, H, seq_len, D)
+    weight, weight_back = _global(1, batch, H, seq_len, D), _global(2, batch, H, seq_len, D)
     loss = (heads * weight.narrow(1, rank * H // world, H // world)).sum() + (back * weight_back.narrow(2, start, count)).sum()
     loss.backward()
     return {"heads": heads.detach(), "back": back.detach(), "grad": x.grad, "start": start, "count": count}
 
 
-@pytest.mark.parametrize("impl", sorted(_IMPLS))
+# batch 1: the pieces lie end to end (received and sent without copies); batch 2: joined by cat
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("world,seq_len", [(2, 8), (2, 7), (3, 10)])
-def test_uneven_all_to_all_and_its_adjoint(tmp_path, world, seq_len, impl):
-    results = spawn(tmp_path, _all_to_all_rank, world, seq_len, impl)
-    x_full, weight, weight_back = (_global(seed, B, H, seq_len, D) for seed in range(3))
+def test_uneven_all_to_all_and_its_adjoint(tmp_path, world, seq_len, batch):
+    results = spawn(tmp_path, _all_to_all_rank, world, seq_len, batch)
+    x_full, weight, weight_back = (_global(seed, batch, H, seq_len, D) for seed in range(3))
     per = H // world
     for rank, res in enumerate(results):
         # forward: this rank's heads over the whole sequence; the reverse op gives the shard back

@@ -154,12 +154,20 @@ def _refuse_attention_in_subgraph(gm: fx.GraphModule, node: fx.Node) -> None:
                 )
 
 
+def _exchanged_input(a: object) -> bool:
+    """Attention reads ``a`` from a ``seq_gather`` (through the transposed view ``_to_heads`` emits)."""
+    return isinstance(a, fx.Node) and a.target is torch.transpose and getattr(a.args[0], "target", None) is SEQ_GATHER
+
+
+def _exchanged_output(u: fx.Node) -> bool:
+    """Attention's output ``u`` feeds only a ``seq_scatter`` (through ``_to_sequence``'s transposed view)."""
+    return u.target is torch.transpose and len(u.users) > 0 and all(v.target is SEQ_SCATTER for v in u.users)
+
+
 def _check_postcondition(graph: fx.Graph, stats: SPPassStats) -> None:
     graph.lint()
     for n in graph.find_nodes(op="call_function", target=SDPA):
-        if not all(isinstance(a, fx.Node) and a.target is SEQ_GATHER for a in n.args[:3]) or not all(
-            u.target is SEQ_SCATTER for u in n.users
-        ):
+        if not all(_exchanged_input(a) for a in n.args[:3]) or not all(_exchanged_output(u) for u in n.users):
             raise AutoSPError(f"internal: attention {n.name} was not fully rewritten for sequence parallelism")
     if stats.all_to_all != 4 * stats.sdpa:
         raise AutoSPError(f"internal: {stats.all_to_all} all-to-alls for {stats.sdpa} attention calls (expected 4 each)")

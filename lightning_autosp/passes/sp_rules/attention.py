@@ -64,25 +64,34 @@ def _sequence_local(rw: "SPRewrite", node: fx.Node, n: fx.Node, seq_dim: int) ->
 
 
 def _to_heads(rw: "SPRewrite", x: fx.Node, heads: int, head_dim: int, seq_dim: int) -> fx.Node:
-    """``[.., h, S_r, ..]`` (this rank's tokens, all heads) -> ``[.., h/P, S, ..]`` (all tokens,
-    this rank's heads). The send buffer (head group ``j`` for rank ``j``) is laid out with plain
-    tensor ops the compiler can fuse into the producer; :func:`~lightning_autosp.ops.seq_gather`
-    exchanges and joins the pieces of uneven length."""
+    """``[.., h, S_r, D]`` (this rank's tokens, all heads) -> ``[.., h/P, S, D]`` (all tokens,
+    this rank's heads). The send buffer ``[P, .., S_r, h/P, D]`` (head group ``j`` for rank ``j``,
+    tokens outside heads) is laid out with plain tensor ops the compiler can fuse into the
+    producer; :func:`~lightning_autosp.ops.seq_gather` exchanges and joins the pieces (of uneven
+    length when ``P`` does not divide ``S``) into ``[.., S, h/P, D]``, and attention reads that
+    through a transposed view. With the sequence outside the heads the pieces received lie end to
+    end for ``B = 1``, so joining them copies nothing."""
     g, P = rw.graph, rw.sp_size
-    send = g.call_function(torch.unflatten, (x, head_dim, (P, heads // P)))  # [.., P, h/P, S_r, ..]
-    send = g.call_function(torch.movedim, (send, head_dim, 0))  # [P, .., h/P, S_r, ..]
-    send = g.call_method("contiguous", (send,))
-    return g.call_function(SEQ_GATHER, (send, seq_dim, rw.group_name, rw.emit(rw.seq), rw.sp_rank))
+    send = g.call_function(torch.unflatten, (x, head_dim, (P, heads // P)))  # [.., P, h/P, S_r, D]
+    lead = tuple(range(head_dim))
+    send = g.call_function(torch.permute, (send, (head_dim, *lead, head_dim + 2, head_dim + 1, head_dim + 3)))
+    send = g.call_method("contiguous", (send,))  # [P, .., S_r, h/P, D]
+    full = g.call_function(SEQ_GATHER, (send, head_dim, rw.group_name, rw.emit(rw.seq), rw.sp_rank))  # [.., S, h/P, D]
+    return g.call_function(torch.transpose, (full, head_dim, seq_dim))  # [.., h/P, S, D]
 
 
 def _to_sequence(rw: "SPRewrite", x: fx.Node, head_dim: int, seq_dim: int) -> fx.Node:
-    """The inverse of :func:`_to_heads`: ``[.., h/P, S, ..]`` -> ``[.., h, S_r, ..]``; the pieces
+    """The inverse of :func:`_to_heads`: ``[.., h/P, S, D]`` -> ``[.., h, S_r, D]``. Attention's
+    output is read as ``[.., S, h/P, D]`` (on CPU and in the flash kernels the memory layout it
+    was written in when the inputs are transposed views, so the send needs no copy); the pieces
     received (:func:`~lightning_autosp.ops.seq_scatter`) are put in head order with plain tensor
     ops the compiler can fuse into the consumer."""
     g, P = rw.graph, rw.sp_size
-    recv = g.call_function(SEQ_SCATTER, (x, seq_dim, rw.group_name, P, rw.emit(rw.seq), rw.sp_rank))  # [P, .., h/P, S_r, ..]
-    out = g.call_function(torch.movedim, (recv, 0, head_dim))  # [.., P, h/P, S_r, ..]
-    return g.call_function(torch.flatten, (out, head_dim, head_dim + 1))  # [.., h, S_r, ..]
+    tokens_out = g.call_function(torch.transpose, (x, head_dim, seq_dim))  # [.., S, h/P, D]
+    recv = g.call_function(SEQ_SCATTER, (tokens_out, head_dim, rw.group_name, P, rw.emit(rw.seq), rw.sp_rank))
+    lead = tuple(range(1, head_dim + 1))  # recv: [P, .., S_r, h/P, D]
+    out = g.call_function(torch.permute, (recv, (*lead, 0, head_dim + 2, head_dim + 1, head_dim + 3)))  # [.., P, h/P, S_r, D]
+    return g.call_function(torch.flatten, (out, head_dim, head_dim + 1))  # [.., h, S_r, D]
 
 
 @sp_rule(op("scaled_dot_product_attention", SDPA, method=False), source=True)
