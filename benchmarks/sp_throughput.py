@@ -17,9 +17,15 @@ every variant from the same initial weights and the same batches:
                       reduce-scattered); not in the default set - compare it with
                       ``--variants autosp_sac autosp_sac_fsdp``
 
-One step is forward, backward, gradient all-reduce and an SGD update; every variant's step
-is timed ``--reps`` times, variants interleaved, the slower rank counts, the median is kept.
-Reported per variant: tokens/s (tokens of the whole group per step / step time), the bytes
+One step is forward, backward, gradient all-reduce and an SGD update. After one untimed round,
+every variant's step is timed ``--reps`` times in rounds: each round runs every variant once,
+each round starting one variant later than the last (so that no variant always follows the
+same one), the slower rank counts. Reported per variant: the median step time, tokens/s (tokens
+of the whole group per step / median step time), and its speed against compiled hand-written
+Ulysses as the median (and range) of the per-round ratios - the two steps of a round run next to
+each other, so a slow minute of the machine slows both. The SP variants ``autosp_sac``,
+``autosp`` and ``ulysses_compiled`` are timed the same way at a second, longer length
+(``--long-seq-len``, ``--long-reps`` rounds; 0 skips it). Also reported: the bytes
 autograd keeps for backward per rank (``saved_tensors_hooks``), the peak resident memory a
 step adds per process (high-water mark, glibc set to return large frees at once), and the
 longest sequence whose step stays within ``--budget-mib`` per process, found by doubling
@@ -58,6 +64,9 @@ VARIANTS = ("autosp_sac", "autosp", "ulysses_compiled", "ulysses_eager", "ddp_co
 DEFAULT_VARIANTS = VARIANTS[:5]
 SP_VARIANTS = (*VARIANTS[:4], "autosp_sac_fsdp")
 REFERENCE = "ulysses_eager"
+#: the variant every speed ratio is taken against, and those timed at ``--long-seq-len``
+COMPILED_REFERENCE = "ulysses_compiled"
+LONG_VARIANTS = ("autosp_sac", "autosp", COMPILED_REFERENCE)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -68,7 +77,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
     p.add_argument("--seq-len", type=int, default=4096, help="sequence length of the timed steps")
-    p.add_argument("--reps", type=int, default=5, help="timed steps per variant (median)")
+    p.add_argument("--reps", type=int, default=9, help="timed rounds (one step per variant each)")
+    p.add_argument(
+        "--long-seq-len", type=int, default=16384,
+        help=f"a second timed length for {', '.join(LONG_VARIANTS)} (0: skip)",
+    )
+    p.add_argument("--long-reps", type=int, default=5, help="timed rounds at --long-seq-len")
     p.add_argument("--budget-mib", type=float, default=384.0, help="memory budget per process for the length search")
     p.add_argument("--search-start", type=int, default=1024)
     p.add_argument("--search-max", type=int, default=65536)
@@ -78,13 +92,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     for n in args.nprocs:
-        for S in (args.seq_len, args.search_start):
+        for S in (args.seq_len, args.search_start, args.long_seq_len):
             if S % n:
-                p.error(f"--seq-len/--search-start {S} must be divisible by every --nprocs value ({n})")
+                p.error(f"--seq-len/--search-start/--long-seq-len {S} must be divisible by every --nprocs value ({n})")
         if args.n_kv_heads % n or args.n_heads % n:
             p.error(f"--n-heads and --n-kv-heads must be divisible by every --nprocs value ({n})")
-    if args.reps < 1:
-        p.error("--reps must be >= 1")
+    if args.reps < 1 or args.long_reps < 1:
+        p.error("--reps and --long-reps must be >= 1")
+    if args.long_seq_len < 0:
+        p.error("--long-seq-len must be >= 0 (0 skips the second length)")
     return args
 
 
@@ -160,6 +176,49 @@ class Variant:
         return S if self.sp else S * self.world
 
 
+def timed_rounds(variants: dict, S: int, reps: int) -> dict:
+    """Time one step of every variant per round at length ``S``, after one untimed round; round
+    ``i`` starts with variant ``i mod n``. Per variant: the step times, their median, tokens/s
+    and, when :data:`COMPILED_REFERENCE` ran too, the per-round speed ratios against it."""
+    names = list(variants)
+    times: dict = {name: [] for name in names}
+    for rep in range(-1, reps):
+        k = rep % len(names)
+        for name in names[k:] + names[:k]:
+            v = variants[name]
+            batch = v.inputs(S, 1 + rep if rep >= 0 else 500)
+            dist.barrier()
+            t = time.perf_counter()
+            v.step(batch)
+            elapsed = max_over_ranks(time.perf_counter() - t)
+            if rep >= 0:
+                times[name].append(elapsed)
+    out = {}
+    for name, v in variants.items():
+        step_s = statistics.median(times[name])
+        out[name] = {"times": times[name], "step_s": step_s, "tokens_per_s": v.tokens_per_step(S) / step_s, "seq_len": S}
+        if COMPILED_REFERENCE in times:  # tokens/s ratio of one round = the inverse ratio of its step times
+            ref = times[COMPILED_REFERENCE]
+            speed = [(r / t) * v.tokens_per_step(S) / variants[COMPILED_REFERENCE].tokens_per_step(S) for r, t in zip(ref, times[name])]
+            out[name]["vs_compiled"] = speed
+    return out
+
+
+def paired(r: dict) -> str:
+    """The median and range of the per-round speed ratios against compiled hand-written Ulysses."""
+    speed = r.get("vs_compiled")
+    if not speed:
+        return "-"
+    return f"{statistics.median(speed):.2f}x ({min(speed):.2f}-{max(speed):.2f})"
+
+
+def vs_compiled(r: dict, ref: Optional[dict]) -> str:
+    """:func:`paired` where the rounds were recorded, else the ratio of tokens/s (older results)."""
+    if r.get("vs_compiled"):
+        return paired(r)
+    return ratio(r["tokens_per_s"], ref["tokens_per_s"]) if ref else "-"
+
+
 def max_over_ranks(x: float) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -201,17 +260,14 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
                 res[name]["grad_rel_diff"] = max_over_ranks(float((grads[name] - ref).norm() / ref.norm()))
 
     # timed steps, variants interleaved
-    for rep in range(args.reps):
-        for name, v in variants.items():
-            batch = v.inputs(S, 1 + rep)
-            dist.barrier()
-            t = time.perf_counter()
-            v.step(batch)
-            res[name]["times"].append(max_over_ranks(time.perf_counter() - t))
-    for name, v in variants.items():
-        r = res[name]
-        r["step_s"] = statistics.median(r["times"])
-        r["tokens_per_s"] = v.tokens_per_step(S) / r["step_s"]
+    res_timed = timed_rounds(variants, S, args.reps)
+    for name in variants:
+        res[name].update(res_timed[name])
+    long_variants = {name: v for name, v in variants.items() if name in LONG_VARIANTS}
+    if args.long_seq_len and long_variants:
+        say(f"[{world} procs] timing {', '.join(long_variants)} at S={args.long_seq_len}", flush=True)
+        for name, timed in timed_rounds(long_variants, args.long_seq_len, args.long_reps).items():
+            res[name]["long"] = timed
 
     # memory at the timed length: what autograd keeps, and the peak a step adds
     probe = PeakRSS()
@@ -281,8 +337,9 @@ def markdown(results: dict) -> str:
     lines = [
         f"Llama dim={args['dim']} layers={args['n_layers']} heads={args['n_heads']} kv_heads={args['n_kv_heads']} "
         f"ffn={args['ffn_hidden']} vocab={args['vocab_size']}, batch 1, fp32, {args['threads']} thread per process, "
-        f"gloo; timed at S={args['seq_len']}, median of {args['reps']} steps; budget {args['budget_mib']:.0f} MiB "
-        f"per process for the longest-sequence search (doubling from {args['search_start']}).",
+        f"gloo; timed at S={args['seq_len']} in {args['reps']} rounds (one step of every variant each; step time: the "
+        f"median; speed against compiled hand-written Ulysses: the median and range of the per-round ratios); budget "
+        f"{args['budget_mib']:.0f} MiB per process for the longest-sequence search (doubling from {args['search_start']}).",
         "",
     ]
     for n, run_ in results["runs"].items():
@@ -292,7 +349,7 @@ def markdown(results: dict) -> str:
             f"**{n} processes** (SP variants: sp={n}; `ddp_compiled`: {n} data-parallel ranks, one whole sequence each; "
             f"hand-written Ulysses: {run_['ulysses']})",
             "",
-            "| variant | step s | tokens/s | vs hand-written compiled | vs hand-written eager | saved for backward MiB/rank "
+            "| variant | step s | tokens/s | vs hand-written compiled (range) | vs hand-written eager | saved for backward MiB/rank "
             "(memory model) | step peak MiB/process | longest S within budget (doubling) | S at budget, "
             "interpolated | grad rel. diff vs hand-written |",
             "|---|---|---|---|---|---|---|---|---|---|",
@@ -305,10 +362,22 @@ def markdown(results: dict) -> str:
             pred = f" ({r['predicted_saved_bytes'] / MiB:.1f})" if "predicted_saved_bytes" in r else ""
             lines.append(
                 f"| {name} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | "
-                f"{ratio(r['tokens_per_s'], ref_c['tokens_per_s']) if ref_c else '-'} | "
+                f"{vs_compiled(r, ref_c)} | "
                 f"{ratio(r['tokens_per_s'], ref_e['tokens_per_s']) if ref_e else '-'} | {r['saved_bytes'] / MiB:.1f}{pred} | "
                 f"{r['peak_bytes'] / MiB:.1f} | {longest} | {interp} | {diff} |"
             )
+        long = {name: r["long"] for name, r in res.items() if "long" in r}
+        if long:
+            L = next(iter(long.values()))["seq_len"]
+            lines += [
+                "",
+                f"At S={L} ({args.get('long_reps')} rounds, the same processes):",
+                "",
+                "| variant | step s | tokens/s | vs hand-written compiled (range) |",
+                "|---|---|---|---|",
+            ]
+            for name, r in long.items():
+                lines.append(f"| {name} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {vs_compiled(r, long.get(COMPILED_REFERENCE))} |")
         if "autosp_sac" in res and "autosp_sac_fsdp" in res:
             sharded, replicated = res["autosp_sac_fsdp"], res["autosp_sac"]
             lines += [
