@@ -1,8 +1,13 @@
 """Compile time of AutoSP against a plain ``torch.compile`` of the same model, by depth.
 
 Two processes (CPU/gloo) compile and run the first training step (forward and backward) of a
-small Llama at each depth (``--layers``), with each backend (``--backends``), in two variants
-measured one after the other in the same processes:
+small Llama at each depth (``--layers``), with each backend (``--backends``; every backend in
+processes of its own, so that one backend's compiles do not slow the next one's), in two variants
+measured one after the other in the same processes, ``--reps`` times (default 2), the variant
+compiled first alternating, and the mean is kept - in this script's runs the second of two
+compiles of a model at one depth was often the faster one by 10-40% (whatever the process keeps
+past ``torch._dynamo.reset()``), so with an even number of repetitions each variant is first as
+often as the other:
 
 * ``plain``: ``torch.compile(step, backend=...)`` of the model without SP; each process runs the
   whole sequence;
@@ -28,6 +33,7 @@ Example (the figures in BENCHMARKS.md)::
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from dataclasses import replace
 from typing import Optional
@@ -75,7 +81,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
     p.add_argument("--backends", nargs="+", choices=["aot_eager", "inductor"], default=["aot_eager", "inductor"])
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument(
+        "--reps", type=int, default=2,
+        help="measurements per variant and depth (mean); the variant compiled first alternates, so keep it even",
+    )
     args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
     if args.seq_len % 2:
         p.error("--seq-len must be even (sp=2)")
     return args
@@ -123,31 +135,47 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     for name in args.backends:
         for variant in VARIANTS:  # one-time costs of a process's first compile (imports, compiler probes)
             measure(name, variant, 1)
+        turn = 0
         for depth in args.layers:
-            row: dict = {}
-            for variant in VARIANTS:
-                seconds, backend = measure(name, variant, depth)
-                phases = {k: sum(v) for k, v in torch._dynamo.utils.compilation_time_metrics.items()}
-                if variant == "autosp":
-                    sp_pass, partition = backend.timings["sp_pass"], backend.timings["partition"]
-                else:
-                    sp_pass, partition = 0.0, backend.partition_s if name == "aot_eager" else phases.get(_PARTITION_METRIC, 0.0)
+            rows: dict = {variant: [] for variant in VARIANTS}
+            for _ in range(args.reps):
+                order = VARIANTS if turn % 2 == 0 else VARIANTS[::-1]
+                turn += 1
+                for variant in order:
+                    seconds, backend = measure(name, variant, depth)
+                    phases = {k: sum(v) for k, v in torch._dynamo.utils.compilation_time_metrics.items()}
+                    if variant == "autosp":
+                        sp_pass, partition = backend.timings["sp_pass"], backend.timings["partition"]
+                    else:
+                        sp_pass = 0.0
+                        partition = backend.partition_s if name == "aot_eager" else phases.get(_PARTITION_METRIC, 0.0)
+                    rows[variant].append({
+                        "first_step_s": seconds, "sp_pass_s": sp_pass, "partition_s": partition,
+                        "aot_trace_s": sum(phases.get(k, 0.0) for k in _AOT_TRACE), "phases": phases, "first": order[0],
+                    })
+                    if rank == 0:
+                        print(f"{name} {depth} layers {variant}: {seconds:.1f}s", flush=True)
+            row = {}
+            for variant, measured in rows.items():  # the mean of the measurements, every column
+                keys = {k for m in measured for k in m["phases"]}
                 row[variant] = {
-                    "first_step_s": seconds, "sp_pass_s": sp_pass, "partition_s": partition,
-                    "aot_trace_s": sum(phases.get(k, 0.0) for k in _AOT_TRACE), "phases": phases,
+                    **{k: statistics.fmean(m[k] for m in measured) for k in ("first_step_s", "sp_pass_s", "partition_s", "aot_trace_s")},
+                    "phases": {k: statistics.fmean(m["phases"].get(k, 0.0) for m in measured) for k in keys},
+                    "all_first_step_s": [m["first_step_s"] for m in measured],
+                    "first": [m["first"] for m in measured],
                 }
-                if rank == 0:
-                    print(f"{name} {depth} layers {variant}: {seconds:.1f}s", flush=True)
             out["runs"].setdefault(name, {})[depth] = row
     return out
 
 
 def markdown(res: dict) -> str:
     a = res["args"]
+    reps = f", mean of {a['reps']} measurements" if a.get("reps", 1) > 1 else ""
     lines = [
         f"First training step (compile + one forward/backward of {a['seq_len']} tokens) of a Llama with dim={a['dim']}, "
         f"{a['n_heads']} heads, vocabulary {a['vocab_size']}; 2 processes on CPU ({res['machine']}), the slower rank's "
-        "time, cold caches, one compile thread; the breakdown columns are rank 0's.",
+        "time, cold caches, one compile thread, each backend in processes of its own, the variant compiled first "
+        f"alternating{reps}; the breakdown columns are rank 0's.",
         "",
         "| backend | layers | plain torch.compile s | AutoSP s | AutoSP / plain | AutoSP: SP pass s | "
         "partition s, plain / AutoSP (SAC tags, checks, records) | AOT tracing s, plain / AutoSP |",
@@ -166,7 +194,13 @@ def markdown(res: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
-    res = run_distributed(run, 2, args, threads=1)
+    res: dict = {"runs": {}, "wall_s": 0.0}
+    for name in args.backends:  # a fresh pair of processes per backend
+        part = run_distributed(run, 2, argparse.Namespace(**{**vars(args), "backends": [name]}), threads=1)
+        res.update({k: v for k, v in part.items() if k not in ("runs", "wall_s")})
+        res["runs"].update(part["runs"])
+        res["wall_s"] += part["wall_s"]
+    res["args"] = arguments(args)
     return finish(res, args, markdown)
 
 
