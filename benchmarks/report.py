@@ -72,15 +72,16 @@ def _key_ratios(tp: dict, section: string.Template) -> str:
 
         def speed(name: str, r: dict = v) -> str:  # against compiled hand-written Ulysses, per-round median
             x = r[name]
-            return f"{statistics.median(x['vs_compiled']):.2f}x" if x.get("vs_compiled") else f"{tps[name] / tps['ulysses_compiled']:.2f}x"
+            if x.get("vs_compiled"):
+                return f"{statistics.median(x['vs_compiled']):.2f}x"
+            return f"{x['tokens_per_s'] / r['ulysses_compiled']['tokens_per_s']:.2f}x"
 
         long = {k: x["long"] for k, x in v.items() if "long" in x}
         long_line = ""
         if {"autosp", "autosp_sac", "ulysses_compiled"} <= set(long):
             long_line = (
                 f" At S={long['autosp']['seq_len']}: AutoSP without SAC / compiled hand-written Ulysses "
-                f"**{statistics.median(long['autosp']['vs_compiled']):.2f}x**, with SAC "
-                f"**{statistics.median(long['autosp_sac']['vs_compiled']):.2f}x**."
+                f"**{speed('autosp', long)}**, with SAC **{speed('autosp_sac', long)}**."
             )
         out.append(section.substitute(
             n=n,

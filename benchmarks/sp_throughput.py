@@ -204,18 +204,12 @@ def timed_rounds(variants: dict, S: int, reps: int) -> dict:
     return out
 
 
-def paired(r: dict) -> str:
-    """The median and range of the per-round speed ratios against compiled hand-written Ulysses."""
-    speed = r.get("vs_compiled")
-    if not speed:
-        return "-"
-    return f"{statistics.median(speed):.2f}x ({min(speed):.2f}-{max(speed):.2f})"
-
-
 def vs_compiled(r: dict, ref: Optional[dict]) -> str:
-    """:func:`paired` where the rounds were recorded, else the ratio of tokens/s (older results)."""
-    if r.get("vs_compiled"):
-        return paired(r)
+    """The median and range of the per-round speed ratios against compiled hand-written Ulysses
+    where the rounds were recorded, else the ratio of tokens/s (older results)."""
+    speed = r.get("vs_compiled")
+    if speed:
+        return f"{statistics.median(speed):.2f}x ({min(speed):.2f}-{max(speed):.2f})"
     return ratio(r["tokens_per_s"], ref["tokens_per_s"]) if ref else "-"
 
 
