@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 
+from lightning_autosp._gc import full_collections_deferred
 from lightning_autosp.local_shapes import LocalShapeCompiled, LocalShapes, add_chunk_input, build_local_shapes
 from lightning_autosp.memory.accounting import SavedActivations, empty_by_kind
 from lightning_autosp.passes import SPPassStats, sequence_parallel_pass
@@ -133,6 +134,10 @@ class AutoSPBackend:
             )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        with full_collections_deferred():  # see lightning_autosp._gc
+            return self._compile(gm, example_inputs)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         start = time.perf_counter()
         gm = sequence_parallel_pass(
             gm, example_inputs, sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=self.group_name, seq_dim=self.seq_dim,
@@ -167,6 +172,10 @@ class AutoSPBackend:
         records: list[SavedActivations] = []
 
         def compile_one(inputs: list[Any], _: LocalShapes) -> Callable:
+            with full_collections_deferred():  # a later compile runs inside a call, not in __call__
+                return compile_aot(inputs)
+
+        def compile_aot(inputs: list[Any]) -> Callable:
             before, seconds = len(partitioner.records), partitioner.seconds
             target = gm
             if records:  # a later compile: a fresh copy of the rewritten graph (node meta shared)
