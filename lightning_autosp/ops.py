@@ -15,6 +15,8 @@ op                    forward                     backward
 ``seq_scatter``       ``[.., S, ..]`` ->          ``seq_gather``
                       ``[P, .., S_r, ..]``
 ``all_reduce``        sum over the group          ``all_reduce`` (sum)
+``group_ratio``       ``sum(num) / sum(den)``     ``group_ratio_backward``: both
+                      over the group              partials, summed over the group
 ``all_gather``        concat along ``dim``        ``reduce_scatter`` along ``dim``
 ``reduce_scatter``    sum then split ``dim``      ``all_gather`` along ``dim``
 ====================  ==========================  ===============================
@@ -30,7 +32,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from lightning_autosp._compat import reduce_scatter_single
 from lightning_autosp.layout import seq_split_sizes
 
-__all__ = ["seq_gather", "seq_scatter", "all_reduce", "all_gather", "reduce_scatter"]
+__all__ = ["seq_gather", "seq_scatter", "all_reduce", "group_ratio", "group_ratio_backward", "all_gather", "reduce_scatter"]
 
 _NS = "autosp"
 
@@ -157,6 +159,56 @@ def _all_reduce_setup(ctx, inputs, output):
 
 
 all_reduce.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
+
+
+# --------------------------------------------------------------------------- group_ratio
+@torch.library.custom_op(f"{_NS}::group_ratio", mutates_args=())
+def group_ratio(num: torch.Tensor, den: torch.Tensor, group_name: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N / D, [N, D])`` with ``N``, ``D`` the sums of the scalars ``num`` and ``den`` (same
+    dtype) over the group: a token-weighted mean over the sequence shards, with one all-reduce.
+
+    What it computes is ``all_reduce(stack([num, den]))`` and a division - graph ops would do
+    the same - but as one op it leaves the compiler no small kernels to generate and compile
+    around the collective (in both directions). ``[N, D]`` is what backward reads."""
+    both = torch.stack([num, den])
+    dist.all_reduce(both, op=dist.ReduceOp.SUM, group=_group(group_name))
+    return both[0] / both[1], both
+
+
+@group_ratio.register_fake
+def _(num, den, group_name, group_size):
+    return num.new_empty(()), num.new_empty((2,))
+
+
+def _group_ratio_setup(ctx, inputs, output):
+    _, _, ctx.group_name, ctx.group_size = inputs
+    ctx.save_for_backward(output[1])
+
+
+@torch.library.custom_op(f"{_NS}::group_ratio_backward", mutates_args=())
+def group_ratio_backward(grad: torch.Tensor, both: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    """The gradients ``[d num, d den]`` of :func:`group_ratio`, given ``grad`` of ``N / D`` and
+    ``both = [N, D]``: ``1/D`` and ``-N/D^2`` (as autograd differentiates a division) times
+    ``grad``, each summed over the group like the gradient of an all-reduce. One op, so that
+    the compiler generates no kernel for it either."""
+    total, count = both[0], both[1]
+    grads = torch.stack([grad / count, -grad * (total / count) / count])
+    dist.all_reduce(grads, op=dist.ReduceOp.SUM, group=_group(group_name))
+    return grads
+
+
+@group_ratio_backward.register_fake
+def _(grad, both, group_name, group_size):
+    return both.new_empty((2,))
+
+
+def _group_ratio_backward(ctx, grad, _grad_both):
+    (both,) = ctx.saved_tensors
+    grads = group_ratio_backward(grad, both, ctx.group_name, ctx.group_size)
+    return grads[0], grads[1], None, None
+
+
+group_ratio.register_autograd(_group_ratio_backward, setup_context=_group_ratio_setup)
 
 
 # --------------------------------------------------------------------------- all_gather

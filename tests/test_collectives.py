@@ -112,3 +112,42 @@ def test_shard_windows_tile_the_sequence_and_gather_back(tmp_path, world, seq_le
     wrong_start = last["start"] + offset if offset else results[0]["start"]
     wrong = view.narrow(2, wrong_start, min(last["count"], length - wrong_start)).flatten(1, 3)
     assert wrong.shape != last["local"].shape or not torch.equal(wrong, last["local"])
+
+
+def _group_ratio_rank(rank: int, world: int, seq_len: int) -> dict:
+    """A token-weighted mean over the sequence shards: sum(v * w) / sum(w), both summed over the group."""
+    group = dist.group.WORLD.group_name
+    start, count = sum(seq_split_sizes(seq_len, world)[:rank]), seq_split_sizes(seq_len, world)[rank]
+    out = {}
+    for name in ("op", "graph_ops"):
+        v = _global(3, seq_len).narrow(0, start, count).clone().requires_grad_(True)
+        w = (_global(4, seq_len).abs() + 0.1).narrow(0, start, count).clone().requires_grad_(True)
+        num, den = (v * w).sum(), w.sum()
+        if name == "op":
+            loss = ops.group_ratio(num, den, group, world)[0]
+        else:  # the same with graph ops around an all-reduce (what the SP pass emitted before)
+            both = ops.all_reduce(torch.stack([num, den]), group, world)
+            loss = both[0] / both[1]
+        loss.backward()
+        out[name] = {"loss": loss.detach(), "grad_v": v.grad, "grad_w": w.grad, "local": (num / den).detach()}
+    out["start"], out["count"] = start, count
+    return out
+
+
+@pytest.mark.parametrize("world,seq_len", [(2, 8), (3, 10)])
+def test_group_ratio_is_the_single_device_mean(tmp_path, world, seq_len):
+    results = spawn(tmp_path, _group_ratio_rank, world, seq_len)
+    v, w = _global(3, seq_len).requires_grad_(True), (_global(4, seq_len).abs() + 0.1).requires_grad_(True)
+    loss = (v * w).sum() / w.sum()
+    loss.backward()
+    for res in results:
+        window = slice(res["start"], res["start"] + res["count"])
+        for name in ("op", "graph_ops"):
+            got = res[name]
+            torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-12, atol=0)
+            # every rank's loss is the whole loss, so the gradients of its shard, summed over the
+            # group (the all-reduce's adjoint), are world x the single-device ones
+            torch.testing.assert_close(got["grad_v"], world * v.grad[window], rtol=1e-12, atol=0)
+            torch.testing.assert_close(got["grad_w"], world * w.grad[window], rtol=1e-12, atol=0)
+    # negative control: a rank's own ratio is not the mean of the sequence
+    assert not torch.allclose(results[0]["op"]["local"], loss.detach())

@@ -157,5 +157,4 @@ def _combine(total, target, weight, ignore_index, reduction, group_name, group_s
     else:
         # ignore_index need not be a class (e.g. -100 or num_classes): look up a valid class there
         denom = (weight[target.masked_fill(~valid, 0)] * valid).sum().to(total.dtype)
-    both = ops.all_reduce(torch.stack([total, denom]), group_name, group_size)  # [2]
-    return both[0] / both[1]
+    return ops.group_ratio(total, denom, group_name, group_size)[0]

@@ -181,9 +181,9 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
     """Tag the forward nodes of an AOT joint graph with the SAC checkpoint policy (in place).
 
     Postcondition: the all-gathers of parameter shards (:func:`parameter_gathers`), their waits
-    and views are ``MUST_RECOMPUTE``; every other forward collective, every attention op, its
-    ``getitem`` outputs and its tensor inputs are ``MUST_SAVE``, as are the fused vocabulary
-    loss and its outputs; every other forward op whose kind is in
+    and views are ``MUST_RECOMPUTE``; every other forward collective and the fused vocabulary
+    loss, with their ``getitem`` outputs, and every attention op, its ``getitem`` outputs and
+    its tensor inputs are ``MUST_SAVE``; every other forward op whose kind is in
     ``config.recompute`` (random ops excepted) is ``PREFER_RECOMPUTE``, with the ``getitem``
     outputs of a multi-output op tagged like the op; nothing else is tagged.
     """
@@ -198,9 +198,7 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
     for node in joint.graph.nodes:
         if node.op != "call_function" or node not in fwd or "recompute" in node.meta:
             continue
-        if _is_collective(node):
-            save(node)
-        elif _op_name(node) == _FUSED_LOSS:
+        if _is_collective(node) or _op_name(node) == _FUSED_LOSS:
             for n in (node, *(u for u in node.users if u.target is operator.getitem)):
                 save(n)
         elif _is_attention(node):
