@@ -22,8 +22,11 @@ probes); the sequence is short, so the first step's time is the compile time. Re
 (the slower rank's; both ranks compile at the same time), their ratio, and where AutoSP's
 extra time goes: its SP pass and its partition step (SAC tagging, PyTorch's min-cut partition
 and AutoSP's checks and records, from :attr:`AutoSPBackend.timings`) next to the plain
-compile's partition (the same min-cut partition, timed), and AOT autograd's tracing of both
-(metadata collection and the joint graph, from Dynamo's ``compilation_time_metrics``).
+compile's partition (the same min-cut partition, timed), AOT autograd's tracing of both
+(metadata collection and the joint graph, from Dynamo's ``compilation_time_metrics``), and the
+full (generation 2) garbage collections that ran during each first step (``gc.callbacks``): each
+walks the whole process heap, and AutoSP's backend defers them while it compiles
+(``lightning_autosp._gc``), a plain ``torch.compile`` does not.
 
 Example (the figures in BENCHMARKS.md)::
 
@@ -33,6 +36,7 @@ Example (the figures in BENCHMARKS.md)::
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from dataclasses import replace
@@ -54,6 +58,27 @@ from lightning_autosp.passes.sac import SACConfig
 VARIANTS = ("plain", "autosp")
 _PARTITION_METRIC = "min_cut_rematerialization_partition"  # inductor's timer of its partition
 _AOT_TRACE = ("aot_collect_metadata", "aot_trace_joint_graph")  # AOT autograd's tracing
+
+
+class _FullCollections:
+    """Seconds and number of full (generation 2) garbage collections in this process while active."""
+
+    def __init__(self) -> None:
+        self.seconds, self.count, self._start = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif info["generation"] == 2:
+            self.seconds += time.perf_counter() - self._start
+            self.count += 1
+
+    def __enter__(self) -> "_FullCollections":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
 
 
 class _TimedPlain:
@@ -129,8 +154,9 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             backend = AutoSPBackend(sp_size=world, sp_rank=rank, group_name=group, backend=name, sac=SACConfig())
         else:
             backend = _TimedPlain() if name == "aot_eager" else name
-        with torch._inductor.utils.fresh_cache():
-            return _first_step(model, backend, ids, labels), backend
+        with torch._inductor.utils.fresh_cache(), _FullCollections() as full_gc:
+            seconds = _first_step(model, backend, ids, labels)
+        return seconds, backend, full_gc
 
     for name in args.backends:
         for variant in VARIANTS:  # one-time costs of a process's first compile (imports, compiler probes)
@@ -142,7 +168,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
                 order = VARIANTS if turn % 2 == 0 else VARIANTS[::-1]
                 turn += 1
                 for variant in order:
-                    seconds, backend = measure(name, variant, depth)
+                    seconds, backend, full_gc = measure(name, variant, depth)
                     phases = {k: sum(v) for k, v in torch._dynamo.utils.compilation_time_metrics.items()}
                     if variant == "autosp":
                         sp_pass, partition = backend.timings["sp_pass"], backend.timings["partition"]
@@ -151,7 +177,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
                         partition = backend.partition_s if name == "aot_eager" else phases.get(_PARTITION_METRIC, 0.0)
                     rows[variant].append({
                         "first_step_s": seconds, "sp_pass_s": sp_pass, "partition_s": partition,
-                        "aot_trace_s": sum(phases.get(k, 0.0) for k in _AOT_TRACE), "phases": phases, "first": order[0],
+                        "aot_trace_s": sum(phases.get(k, 0.0) for k in _AOT_TRACE), "full_gc_s": full_gc.seconds,
+                        "full_gcs": full_gc.count, "phases": phases, "first": order[0],
                     })
                     if rank == 0:
                         print(f"{name} {depth} layers {variant}: {seconds:.1f}s", flush=True)
@@ -159,7 +186,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             for variant, measured in rows.items():  # the mean of the measurements, every column
                 keys = {k for m in measured for k in m["phases"]}
                 row[variant] = {
-                    **{k: statistics.fmean(m[k] for m in measured) for k in ("first_step_s", "sp_pass_s", "partition_s", "aot_trace_s")},
+                    **{k: statistics.fmean(m[k] for m in measured) for k in ("first_step_s", "sp_pass_s", "partition_s", "aot_trace_s", "full_gc_s", "full_gcs")},
                     "phases": {k: statistics.fmean(m["phases"].get(k, 0.0) for m in measured) for k in keys},
                     "all_first_step_s": [m["first_step_s"] for m in measured],
                     "first": [m["first"] for m in measured],
@@ -178,8 +205,9 @@ def markdown(res: dict) -> str:
         f"alternating{reps}; the breakdown columns are rank 0's.",
         "",
         "| backend | layers | plain torch.compile s | AutoSP s | AutoSP / plain | AutoSP: SP pass s | "
-        "partition s, plain / AutoSP (SAC tags, checks, records) | AOT tracing s, plain / AutoSP |",
-        "|---|---|---|---|---|---|---|---|",
+        "partition s, plain / AutoSP (SAC tags, checks, records) | AOT tracing s, plain / AutoSP | "
+        "full garbage collections s (mean count), plain / AutoSP |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in res["runs"].items():
         for depth, row in runs.items():
@@ -187,9 +215,13 @@ def markdown(res: dict) -> str:
             lines.append(
                 f"| {name} | {depth} | {p['first_step_s']:.1f} | {s['first_step_s']:.1f} | "
                 f"{s['first_step_s'] / p['first_step_s']:.2f}x | {s['sp_pass_s']:.2f} | {p['partition_s']:.2f} / "
-                f"{s['partition_s']:.2f} | {p['aot_trace_s']:.1f} / {s['aot_trace_s']:.1f} |"
+                f"{s['partition_s']:.2f} | {p['aot_trace_s']:.1f} / {s['aot_trace_s']:.1f} | {_full_gc(p)} / {_full_gc(s)} |"
             )
     return "\n".join(lines)
+
+
+def _full_gc(row: dict) -> str:
+    return f"{row['full_gc_s']:.1f} ({row['full_gcs']:.1f})" if "full_gc_s" in row else "-"
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
