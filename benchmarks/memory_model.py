@@ -159,7 +159,8 @@ def _fused_workspace(n: fx.Node, S: int, tr: Trace) -> int:
     h, w = n.args[0].meta["val"], n.args[1].meta["val"]
     rows = tr.nbytes(_tensor_bytes(h), S) // (h.element_size() * int(h.shape[-1]))
     logits_dtype, chunk = n.args[7], n.args[8]
-    return fused_loss.workspace_bytes(rows, int(w.shape[0]), int(w.shape[1]), w.dtype, logits_dtype, chunk)
+    plain = n.args[4] is None and not n.args[6]  # no class weights, no label smoothing
+    return fused_loss.workspace_bytes(rows, int(w.shape[0]), int(w.shape[1]), w.dtype, logits_dtype, chunk, plain)
 
 
 @dataclass

@@ -35,14 +35,22 @@ def auto_chunk_rows(vocab: int) -> int:
     return max(64, LOGITS_CHUNK_BYTES // (4 * max(int(vocab), 1)))
 
 
-def workspace_bytes(rows: int, vocab: int, dim: int, dtype: torch.dtype, logits_dtype: Optional[torch.dtype], chunk: int) -> int:
-    """Bytes :func:`linear_cross_entropy` allocates while it runs, beyond its inputs and outputs:
-    one chunk's logits (in ``dtype``), their cast, softmax and gradient (in ``logits_dtype``) and
-    the log-softmax of the loss, plus the fp32 accumulator of the weight gradient when the
-    weight is in a low-precision dtype (what the memory model adds at the op)."""
+def workspace_bytes(
+    rows: int, vocab: int, dim: int, dtype: torch.dtype, logits_dtype: Optional[torch.dtype], chunk: int, plain: bool = True
+) -> int:
+    """Bytes :func:`linear_cross_entropy` allocates while it runs, beyond its inputs and outputs
+    (what the memory model adds at the op), plus the fp32 accumulator of the weight gradient when
+    the weight is in a low-precision dtype. ``plain`` (no class weights, no label smoothing): one
+    chunk's logits (in ``dtype``) and, when ``logits_dtype`` differs, their cast, in which the
+    gradient is computed in place, and the gradient cast back; otherwise also the log-softmax,
+    the softmax and the scaled gradient."""
     item = torch.empty((), dtype=dtype).element_size()
-    out_item = torch.empty((), dtype=logits_dtype or dtype).element_size()
-    per_row = vocab * (2 * item + 3 * out_item)
+    out_dtype = logits_dtype or dtype
+    out_item = torch.empty((), dtype=out_dtype).element_size()
+    if plain:
+        per_row = vocab * (item if out_dtype == dtype else 2 * item + out_item)
+    else:
+        per_row = vocab * (2 * item + 3 * out_item)
     acc = 4 * vocab * dim if dtype not in (torch.float32, torch.float64) else 0
     return min(rows, chunk) * per_row + acc
 
@@ -62,6 +70,27 @@ def _logits_grad(
     if class_weight is not None:
         scale = scale * class_weight.to(grad.dtype)[safe.squeeze(1)]
     return grad * scale.unsqueeze(1)
+
+
+def _plain_loss_and_grad(
+    z: torch.Tensor, target: torch.Tensor, ignore_index: int, with_grad: bool
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``cross_entropy(z, target, ignore_index=ignore_index, reduction="sum")`` and, with
+    ``with_grad``, its gradient with respect to ``z``, computed in ``z``'s own memory (the
+    caller's fresh logits, nothing else reads them): one log-sum-exp per row, then
+    ``exp(z - lse)`` in place is the softmax, minus 1 at the target. Rows whose target is
+    ``ignore_index`` get ``lse = inf``, so their gradient is 0 without a separate masking pass."""
+    valid = target != ignore_index
+    safe = target.masked_fill(~valid, 0).unsqueeze(1)
+    lse = torch.logsumexp(z, dim=1)
+    picked = z.gather(1, safe).squeeze(1)
+    loss = torch.where(valid, lse - picked, 0.0).sum()
+    if not with_grad:
+        return loss, None
+    lse.masked_fill_(~valid, float("inf"))
+    grad = z.sub_(lse.unsqueeze(1)).exp_()
+    grad.scatter_add_(1, safe, valid.to(grad.dtype).neg_().unsqueeze(1))
+    return loss, grad
 
 
 @torch.library.custom_op("autosp_loss::linear_cross_entropy", mutates_args=())
@@ -97,12 +126,17 @@ def _linear_cross_entropy(h, weight, bias, target, class_weight, ignore_index, l
         h_c, t_c = h[start : start + chunk], target[start : start + chunk]
         logits = F.linear(h_c, weight, bias)
         z = logits.to(out_dtype)
-        total += F.cross_entropy(
-            z, t_c, weight=class_weight, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing
-        )
+        if class_weight is None and not label_smoothing:
+            loss, g = _plain_loss_and_grad(z, t_c, ignore_index, with_grad)
+            total += loss
+        else:
+            total += F.cross_entropy(
+                z, t_c, weight=class_weight, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing
+            )
+            g = _logits_grad(z, t_c, class_weight, ignore_index, label_smoothing) if with_grad else None
         if not with_grad:
             continue
-        g = _logits_grad(z, t_c, class_weight, ignore_index, label_smoothing).to(logits.dtype)
+        g = g.to(logits.dtype)
         torch.mm(g, weight, out=grad_h[start : start + chunk])
         if low_precision:
             grad_w += (g.t() @ h_c).float()

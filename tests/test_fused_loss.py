@@ -52,12 +52,21 @@ def test_op_matches_autograd_on_full_logits(bias, class_weight, smoothing):
     assert loss_err <= TOL and grad_err <= TOL, (loss_err, grad_err)
 
 
-def test_negative_control_gradient_that_forgets_ignore_index(monkeypatch):
-    """A chunked gradient that lets ignored targets contribute fails the same comparison."""
-    real = fused_loss._logits_grad
-    monkeypatch.setattr(fused_loss, "_logits_grad", lambda z, t, cw, ii, s: real(z, t.clamp_min(0), cw, ii, s))
-    loss_err, grad_err = _errors(*_case(False, False, 0.0))
-    assert loss_err <= TOL and grad_err > 100 * TOL
+@pytest.mark.parametrize("path", ["plain", "class_weight"])
+def test_negative_control_gradient_that_forgets_ignore_index(monkeypatch, path):
+    """A chunked gradient that lets ignored targets contribute fails the same comparison, on
+    both paths of the op: the plain one (loss and gradient in the logits' memory) and the one
+    for class weights and label smoothing (the gradient computed apart from the loss)."""
+    if path == "plain":
+        real = fused_loss._plain_loss_and_grad
+        monkeypatch.setattr(fused_loss, "_plain_loss_and_grad", lambda z, t, ii, wg: real(z, t.clamp_min(0), ii, wg))
+    else:
+        real = fused_loss._logits_grad
+        monkeypatch.setattr(fused_loss, "_logits_grad", lambda z, t, cw, ii, s: real(z, t.clamp_min(0), cw, ii, s))
+    loss_err, grad_err = _errors(*_case(False, path == "class_weight", 0.0))
+    assert grad_err > 100 * TOL
+    if path == "class_weight":  # there the loss is F.cross_entropy's, untouched
+        assert loss_err <= TOL
 
 
 def test_op_without_grad_returns_the_loss_only():
