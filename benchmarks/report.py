@@ -83,8 +83,16 @@ def _key_ratios(tp: dict, section: string.Template) -> str:
                 f" At S={long['autosp']['seq_len']}: AutoSP without SAC / compiled hand-written Ulysses "
                 f"**{speed('autosp', long)}**, with SAC **{speed('autosp_sac', long)}**."
             )
+        a2a = {k: x.get("all_to_all_bytes") for k, x in v.items()}
+        a2a_line = ""
+        if a2a.get("autosp") and a2a.get("ulysses_compiled"):
+            a2a_line = (
+                f" Bytes sent by all-to-alls per step: compiled hand-written Ulysses / AutoSP "
+                f"**{a2a['ulysses_compiled'] / a2a['autosp']:.2f}x**."
+            )
         out.append(section.substitute(
             n=n,
+            a2a=a2a_line,
             autosp_vs_compiled=speed("autosp"),
             autosp_vs_eager=f"{tps['autosp'] / tps['ulysses_eager']:.2f}x",
             sac_vs_compiled=speed("autosp_sac"),

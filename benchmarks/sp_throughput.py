@@ -41,6 +41,7 @@ Example (the figures in BENCHMARKS.md)::
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -213,6 +214,23 @@ def vs_compiled(r: dict, ref: Optional[dict]) -> str:
     return ratio(r["tokens_per_s"], ref["tokens_per_s"]) if ref else "-"
 
 
+_ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
+
+
+def all_to_all_bytes(v: Variant, batch: tuple) -> int:
+    """The bytes of the send buffers this rank passes to ``all_to_all_single`` in one step
+    (``c10d::alltoall_base_`` in the profiler, its input tensor: the pieces for every rank,
+    this rank's own included), whichever code called it: AutoSP's ops, DeepSpeed, funcol."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        v.step(batch)
+    total = 0
+    for e in prof.events():
+        if e.name == "c10d::alltoall_base_":
+            shape, dtype = e.input_shapes[1], e.input_dtypes[1]
+            total += math.prod(shape) * _ITEMSIZE[dtype]
+    return total
+
+
 def max_over_ranks(x: float) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -262,6 +280,11 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         say(f"[{world} procs] timing {', '.join(long_variants)} at S={args.long_seq_len}", flush=True)
         for name, timed in timed_rounds(long_variants, args.long_seq_len, args.long_reps).items():
             res[name]["long"] = timed
+
+    # bytes every rank hands to all-to-alls in one step (forward and backward), from the profiler
+    for name, v in variants.items():
+        if v.sp:
+            res[name]["all_to_all_bytes"] = max_over_ranks(all_to_all_bytes(v, v.inputs(S, 99)))
 
     # memory at the timed length: what autograd keeps, and the peak a step adds
     probe = PeakRSS()
@@ -343,10 +366,10 @@ def markdown(results: dict) -> str:
             f"**{n} processes** (SP variants: sp={n}; `ddp_compiled`: {n} data-parallel ranks, one whole sequence each; "
             f"hand-written Ulysses: {run_['ulysses']})",
             "",
-            "| variant | step s | tokens/s | vs hand-written compiled (range) | vs hand-written eager | saved for backward MiB/rank "
-            "(memory model) | step peak MiB/process | longest S within budget (doubling) | S at budget, "
-            "interpolated | grad rel. diff vs hand-written |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| variant | step s | tokens/s | vs hand-written compiled (range) | vs hand-written eager | all-to-all MiB/rank/step "
+            "| saved for backward MiB/rank (memory model) | step peak MiB/process | longest S within budget (doubling) | "
+            "S at budget, interpolated | grad rel. diff vs hand-written |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in res.items():
             longest = f"{'>= ' if r['capped'] else ''}{r['longest'] or '< ' + str(args['search_start'])}"
@@ -354,10 +377,11 @@ def markdown(results: dict) -> str:
             interp = f"{interp:.0f}" if interp else "-"
             diff = f"{r['grad_rel_diff']:.1e}" if "grad_rel_diff" in r else "-"
             pred = f" ({r['predicted_saved_bytes'] / MiB:.1f})" if "predicted_saved_bytes" in r else ""
+            a2a = f"{r['all_to_all_bytes'] / MiB:.1f}" if "all_to_all_bytes" in r else "-"
             lines.append(
                 f"| {name} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | "
                 f"{vs_compiled(r, ref_c)} | "
-                f"{ratio(r['tokens_per_s'], ref_e['tokens_per_s']) if ref_e else '-'} | {r['saved_bytes'] / MiB:.1f}{pred} | "
+                f"{ratio(r['tokens_per_s'], ref_e['tokens_per_s']) if ref_e else '-'} | {a2a} | {r['saved_bytes'] / MiB:.1f}{pred} | "
                 f"{r['peak_bytes'] / MiB:.1f} | {longest} | {interp} | {diff} |"
             )
         long = {name: r["long"] for name, r in res.items() if "long" in r}

@@ -187,3 +187,27 @@ def test_report_renders_every_placeholder_from_the_stored_results():
     assert "## 3. Checkpoints" in page and "Sharded over replicated: save time" in page
     assert "## 4. The loss without the full logits" in page and "| 65,536 | 128,256 |" in page
     assert "## 5. Compile time against depth" in page and "| inductor | 32 |" in page
+
+
+def _all_to_all_worker(rank, world):
+    import sp_throughput
+
+    torch.set_num_threads(1)
+    cfg = LlamaConfig.tiny(vocab_size=96, n_layers=2)  # 4 query heads, 2 KV heads
+    return {
+        name: sp_throughput.all_to_all_bytes(v, v.inputs(16, 0))
+        for name in ("autosp", "ulysses_compiled")
+        for v in [sp_throughput.Variant(name, cfg, rank, world, "funcol")]
+    }
+
+
+def test_all_to_all_bytes_count_what_each_variant_sends(tmp_path):
+    """The profiler-based count against the bytes each variant must send in one step, forward
+    and backward: per layer and direction, the hand-written baseline sends q, k, v (k and v
+    repeated to the 4 query heads) and the output, [8 tokens, 4 heads, 8] fp32 each; AutoSP
+    sends k and v with their 2 KV heads (exchanged before the model's repeat)."""
+    per_rank_tokens, head_dim, layers = 8, 8, 2
+    piece = per_rank_tokens * head_dim * 4  # bytes of one head's tokens of one rank
+    for counts in spawn(tmp_path, _all_to_all_worker, 2):
+        assert counts["ulysses_compiled"] == 2 * layers * (4 + 4 + 4 + 4) * piece
+        assert counts["autosp"] == 2 * layers * (4 + 2 + 2 + 4) * piece

@@ -11,6 +11,7 @@ from lightning_autosp.backend import AutoSPBackend
 from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes import sequence_parallel_pass
 from lightning_autosp.passes.sequence_parallel import SDPA, SEQ_GATHER, SEQ_SCATTER
+from lightning_autosp.passes.sp_rules.attention import exchanged_source
 
 A2A = (SEQ_GATHER, SEQ_SCATTER)
 
@@ -49,10 +50,13 @@ def test_pass_rewrites_every_attention(kind, shift):
     for n in sdpa:
         # attention reads q, k, v through a transposed view of a seq_gather and its output
         # reaches a seq_scatter the same way
-        assert all(a.target is torch.transpose and a.args[0].target is SEQ_GATHER for a in n.args[:3])
+        assert all(a.target is torch.transpose and a.args[0].target is SEQ_GATHER for a in map(exchanged_source, n.args[:3]))
         assert n.users and all(u.target is torch.transpose and [v.target for v in u.users] == [SEQ_SCATTER] for u in n.users)
     assert stats.fallbacks == []
     assert stats.max_shift == (1 if shift else 0)
+    # the tiny Llama repeats its 2 KV heads for 4 query heads (repeat_kv): k and v are exchanged
+    # before the repeat (2 KV heads divide by sp_size=2); the GPT has as many KV heads as query heads
+    assert stats.kv_exchanged_unrepeated == (2 * len(sdpa) if kind == "llama" else 0)
 
 
 def test_heads_not_divisible_is_an_error():

@@ -34,6 +34,8 @@ class SPPassStats:
     max_shift: int = 0
     #: ``cross_entropy(linear(..))`` computed in chunks of tokens (:mod:`lightning_autosp.fused_loss`)
     fused_losses: int = 0
+    #: k or v inputs of attention exchanged before the model's own head repeat (``repeat_kv``)
+    kv_exchanged_unrepeated: int = 0
 
 
 class SPRewrite:

@@ -9,6 +9,7 @@ for one device into the graph one SP rank runs:
   same way, so positions, label shifts and masks built from ``arange`` are right on every rank;
 * every ``F.scaled_dot_product_attention`` gets an all-to-all on q, k, v
   (``[B, H, S/P, D] -> [B, H/P, S, D]`` with ``P = sp_size``) and one on its output (the reverse);
+  KV heads the model repeats for attention (``repeat_kv``) are exchanged before the repeat;
 * reductions over the sequence (``sum``, ``mean``, ``cross_entropy``/``nll_loss`` with any
   reduction and ``ignore_index``) are combined over the SP group, token-weighted;
   ``cross_entropy`` of a ``linear`` whose logits nothing else reads is computed in chunks of
@@ -46,6 +47,7 @@ from lightning_autosp.passes.inplace import mutated_input, visit_inplace
 from lightning_autosp.passes.placement import is_tensor, shape_exprs
 from lightning_autosp.passes.rewrite import SPPassStats, SPRewrite
 from lightning_autosp.passes.sp_rules import SDPA, SEQ_GATHER, SEQ_SCATTER, lookup
+from lightning_autosp.passes.sp_rules.attention import exchanged_source
 
 __all__ = ["sequence_parallel_pass", "SPPassStats", "SPRewrite", "find_sequence_symbol", "SDPA", "SEQ_GATHER", "SEQ_SCATTER"]
 
@@ -155,7 +157,9 @@ def _refuse_attention_in_subgraph(gm: fx.GraphModule, node: fx.Node) -> None:
 
 
 def _exchanged_input(a: object) -> bool:
-    """Attention reads ``a`` from a ``seq_gather`` (through the transposed view ``_to_heads`` emits)."""
+    """Attention reads ``a`` from a ``seq_gather`` (through the transposed view ``_to_heads`` emits
+    and, for KV heads exchanged before the model's repeat, the repeat after it)."""
+    a = exchanged_source(a)
     return isinstance(a, fx.Node) and a.target is torch.transpose and getattr(a.args[0], "target", None) is SEQ_GATHER
 
 

@@ -5,12 +5,16 @@ all-to-all each makes them sharded on heads with the full sequence (``[B, H/P, S
 attention runs unchanged for this rank's heads (``is_causal`` or the full mask), and one
 all-to-all takes the output back to ``[B, H, S/P, D]``. KV heads that do not divide by
 ``sp_size`` (GQA/MQA) are repeated first so that every rank receives the ones its query heads
-read.
+read. KV heads that the model repeats itself before attention (``repeat_kv``, as in Hugging Face
+Llama) and that divide by ``sp_size`` are exchanged before the repeat and repeated after it:
+rank ``j`` needs query heads ``j*H/P ..``, which read exactly KV heads ``j*Hk/P ..``, so the
+all-to-all of k and v (and of their gradients) carries ``Hk`` heads instead of ``H``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import operator
+from typing import TYPE_CHECKING, Optional
 
 import sympy
 import torch
@@ -43,6 +47,82 @@ def _kv_repeat(node: fx.Node, heads: int, kv_heads: int, sp_size: int, gqa: bool
             f"they must match or divide by sp_size={sp_size}."
         )
     return sp_size // kv_heads if sp_size % kv_heads == 0 else heads // kv_heads
+
+
+def _calls(n: object, name: str) -> bool:
+    """``n`` calls ``torch.<name>`` or the tensor method ``<name>``."""
+    if not isinstance(n, fx.Node):
+        return False
+    if n.op == "call_method":
+        return n.target == name
+    return n.op == "call_function" and n.target in (getattr(torch, name, None), getattr(torch.Tensor, name, None))
+
+
+def _only_inserts_dims(index: object) -> bool:
+    """A ``getitem`` index made of ``None``, ``...`` and full slices (``x[:, :, None]``)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(
+        i is None or i is Ellipsis
+        or (isinstance(i, slice) and i.start in (None, 0) and i.stop is None and i.step in (None, 1))
+        for i in items
+    )
+
+
+def repeated_heads(rw: "SPRewrite", n: fx.Node, head_dim: int) -> Optional[tuple[fx.Node, int]]:
+    """``(x, n_rep)`` when ``n`` is ``x`` with every head repeated ``n_rep`` times in place, head
+    ``h`` of ``n`` being head ``h // n_rep`` of ``x``: ``x[:, :, None].expand(.., n_rep, ..)
+    .reshape(..)`` (``repeat_kv`` of Hugging Face and the bundled Llama; ``unsqueeze`` or
+    ``flatten`` work too) or ``x.repeat_interleave(n_rep, dim=head_dim)``. Checked on the shapes
+    of every step, so a similar chain that maps heads differently is not taken; else ``None``."""
+    shape = list(rw.shape(n))
+    if _calls(n, "repeat_interleave"):
+        bound = dict(zip(("input", "repeats", "dim"), n.args))
+        bound.update(n.kwargs)
+        x, reps, dim = bound.get("input"), bound.get("repeats"), bound.get("dim")
+        if not isinstance(x, fx.Node) or not isinstance(reps, int) or not isinstance(dim, int) or reps < 1:
+            return None
+        xs = list(rw.shape(x))
+        if dim % max(len(xs), 1) != head_dim or len(xs) != len(shape):
+            return None
+        expect = xs[:head_dim] + [xs[head_dim] * reps] + xs[head_dim + 1:]
+        return (x, reps) if expect == shape else None
+    if not (_calls(n, "reshape") or _calls(n, "view") or _calls(n, "flatten")) or not isinstance(n.args[0], fx.Node):
+        return None
+    e = n.args[0]
+    if not _calls(e, "expand") or not isinstance(e.args[0], fx.Node):
+        return None
+    u = e.args[0]
+    if u.target is operator.getitem and isinstance(u.args[0], fx.Node) and _only_inserts_dims(u.args[1]):
+        x = u.args[0]
+    elif _calls(u, "unsqueeze") and isinstance(u.args[0], fx.Node):
+        x = u.args[0]
+    else:
+        return None
+    xs, us, es = list(rw.shape(x)), list(rw.shape(u)), list(rw.shape(e))
+    if len(xs) != len(shape) or len(es) != len(xs) + 1:
+        return None
+    reps = es[head_dim + 1]
+    if not reps.is_Integer or us != xs[: head_dim + 1] + [1] + xs[head_dim + 1:]:
+        return None
+    if es != xs[: head_dim + 1] + [reps] + xs[head_dim + 1:] or shape != xs[:head_dim] + [xs[head_dim] * reps] + xs[head_dim + 1:]:
+        return None
+    return x, int(reps)
+
+
+def _repeat_heads(rw: "SPRewrite", x: fx.Node, n_rep: int, head_dim: int) -> fx.Node:
+    """``[.., h, S, D]`` -> ``[.., h*n_rep, S, D]``, head ``i`` of the result being head
+    ``i // n_rep`` of ``x``: the user's ``repeat_kv``, on this rank's heads after the exchange."""
+    g = rw.graph
+    u = g.call_function(torch.unsqueeze, (x, head_dim + 1))
+    e = g.call_method("expand", (u, *([-1] * (head_dim + 1)), n_rep, -1, -1))
+    return g.call_function(torch.flatten, (e, head_dim, head_dim + 1))
+
+
+def exchanged_source(a: object) -> object:
+    """What attention reads ``a`` from: through the local repeat :func:`_repeat_heads` emits."""
+    if _calls(a, "flatten") and _calls(a.args[0], "expand") and _calls(a.args[0].args[0], "unsqueeze"):
+        return a.args[0].args[0].args[0]
+    return a
 
 
 def _sequence_local(rw: "SPRewrite", node: fx.Node, n: fx.Node, seq_dim: int) -> fx.Node:
@@ -128,13 +208,22 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     kv_repeat = _kv_repeat(node, heads, kv_heads, rw.sp_size, bool(bound.get("enable_gqa", False)))
     qkv = []
     for n in (q, k, v):
-        local = _sequence_local(rw, node, n, seq_dim)
         n_heads = heads if n is q else kv_heads
+        source, n_rep = n, 1
+        if n is not q and kv_repeat == 1:  # the model repeats the KV heads: exchange them before
+            found = repeated_heads(rw, n, head_dim)
+            if found is not None and (n_heads // found[1]) % rw.sp_size == 0:
+                source, n_rep = found
+        local = _sequence_local(rw, node, source, seq_dim)
         if n is not q and kv_repeat > 1:  # [B, Hk, S/P, D] -> [B, Hk*kv_repeat, S/P, D]
             local = rw.graph.call_function(torch.repeat_interleave, (local, kv_repeat), {"dim": head_dim})
             n_heads = kv_heads * kv_repeat
         # [B, H, S/P, D] -> [B, H/P, S, D]
-        qkv.append(_to_heads(rw, local, n_heads, head_dim, seq_dim))
+        exchanged = _to_heads(rw, local, n_heads // n_rep, head_dim, seq_dim)
+        if n_rep > 1:  # [B, Hk/P, S, D] -> [B, H/P, S, D]
+            exchanged = _repeat_heads(rw, exchanged, n_rep, head_dim)
+            rw.stats.kv_exchanged_unrepeated += 1
+        qkv.append(exchanged)
         rw.stats.all_to_all += 1
     kwargs = {key: bound[key] for key in _SDPA_ARGS[3:] if key in bound}
     if kv_repeat > 1 and kv_heads * kv_repeat == heads:
