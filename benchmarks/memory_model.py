@@ -33,7 +33,8 @@ Variants (``VARIANTS``):
                     ``torch.utils.checkpoint`` (full activation checkpointing: the usual
                     way to train long sequences without SP, recomputing attention too)
 ``ulysses_eager``   Ulysses SP, saving what eager autograd saves: the memory of hand-written
-                    Ulysses run in eager mode (same all-to-alls, same shapes)
+                    Ulysses run in eager mode (same all-to-alls, same shapes; k and v
+                    exchanged after the model's repeat of the KV heads, as attention reads them)
 ``sp``              AutoSP without SAC (min-cut partition)
 ``sp_sac``          AutoSP with sequence-aware activation checkpointing
 ``sp_sac_logits``   the same with ``chunked_loss=False``: the full logits are kept
@@ -268,7 +269,8 @@ def _backend(variant: str, sp_size: int, out: list) -> Callable:
         if variant.startswith(("sp", "ulysses")):
             chunk = 0 if variant in FUSED_LOSS_VARIANTS else None
             gm = sequence_parallel_pass(
-                gm, example_inputs, sp_size=sp_size, sp_rank=0, group_name="traced", seq_dim=1, loss_chunk=chunk
+                gm, example_inputs, sp_size=sp_size, sp_rank=0, group_name="traced", seq_dim=1, loss_chunk=chunk,
+                kv_before_repeat=not variant.startswith("ulysses"),  # hand-written: k, v exchanged as attention reads them
             )
         aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=keep_graphs)(gm, example_inputs)
         raise _Traced

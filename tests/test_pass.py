@@ -141,3 +141,13 @@ def _count_worker(rank, world):
 def test_four_all_to_alls_per_attention_forward_and_backward(tmp_path):
     counts = spawn(tmp_path, _count_worker, 2)
     assert counts[0] == counts[1] == {"fw": 12, "bw": 12}  # 3 attention calls x 4
+
+
+def test_kv_exchanged_as_attention_reads_them_when_asked():
+    """``kv_before_repeat=False`` (the memory model's hand-written baseline) leaves the model's
+    repeat_kv before the exchange: still 4 all-to-alls per attention, none before a repeat."""
+    gm = capture(make_model("llama"), *batch())
+    for before, moved in ((True, 4), (False, 0)):
+        out = sequence_parallel_pass(gm, sp_size=2, sp_rank=0, group_name="unused", kv_before_repeat=before)
+        assert out.meta["autosp"].kv_exchanged_unrepeated == moved
+        assert sum(n.target in A2A for n in out.graph.nodes) == 8

@@ -47,11 +47,14 @@ class SPRewrite:
     """
 
     def __init__(
-        self, gm: fx.GraphModule, sp_size: int, sp_rank: int, group_name: str, seq: sympy.Symbol, loss_chunk: Optional[int] = 0
+        self, gm: fx.GraphModule, sp_size: int, sp_rank: int, group_name: str, seq: sympy.Symbol, loss_chunk: Optional[int] = 0,
+        kv_before_repeat: bool = True,
     ):
         self.gm = gm
         #: rows per chunk of the fused vocabulary projection and loss (0: automatic, None: off)
         self.loss_chunk = loss_chunk
+        #: exchange KV heads before the model's own repeat of them (see the attention rule)
+        self.kv_before_repeat = kv_before_repeat
         self.sp_size = sp_size
         self.sp_rank = sp_rank
         self.group_name = group_name

@@ -201,6 +201,7 @@ def sequence_parallel_pass(
     group_name: str,
     seq_dim: int = 1,
     loss_chunk: Optional[int] = 0,
+    kv_before_repeat: bool = True,
 ) -> fx.GraphModule:
     """Rewrite a Dynamo graph for Ulysses sequence parallelism (see the module docstring).
 
@@ -209,6 +210,9 @@ def sequence_parallel_pass(
     The returned module carries :class:`SPPassStats` in ``meta["autosp"]``. ``loss_chunk`` is the
     number of tokens per chunk of a fused vocabulary projection and loss (``0``: chosen from the
     vocabulary size, ``None``: never fuse; see :mod:`lightning_autosp.fused_loss`).
+    ``kv_before_repeat=False`` exchanges k and v as attention receives them, after the model's
+    own repeat of the KV heads, as hand-written Ulysses around an attention function does (the
+    benchmarks' memory model of that baseline); the default exchanges them before the repeat.
     """
     if sp_size < 1 or not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} must lie in [0, sp_size={sp_size})")
@@ -225,7 +229,7 @@ def sequence_parallel_pass(
             )
         gm.meta["autosp"] = SPPassStats()
         return gm
-    rw = SPRewrite(gm, sp_size, sp_rank, group_name, seq, loss_chunk)
+    rw = SPRewrite(gm, sp_size, sp_rank, group_name, seq, loss_chunk, kv_before_repeat)
     graph = _run(rw)
     _check_postcondition(graph, rw.stats)
     _check_example_fits(gm, seq, sp_size, rw.stats.max_shift)

@@ -210,7 +210,7 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     for n in (q, k, v):
         n_heads = heads if n is q else kv_heads
         source, n_rep = n, 1
-        if n is not q and kv_repeat == 1:  # the model repeats the KV heads: exchange them before
+        if n is not q and kv_repeat == 1 and rw.kv_before_repeat:  # the model repeats the KV heads: exchange them before
             found = repeated_heads(rw, n, head_dim)
             if found is not None and (n_heads // found[1]) % rw.sp_size == 0:
                 source, n_rep = found
