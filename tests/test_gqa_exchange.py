@@ -16,6 +16,7 @@ from sp_harness import spawn
 from torch import nn
 
 from lightning_autosp.backend import AutoSPBackend
+from lightning_autosp.passes.sac import SACConfig
 
 VOCAB, HEADS, KV_HEADS, DIM = 32, 8, 4, 32  # 2 KV heads per rank: a wrong head order shows
 N_REP = HEADS // KV_HEADS
@@ -69,13 +70,15 @@ def _single_device(form, S):
     return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
 
 
-def _worker(rank, world, S):
+def _worker(rank, world, S, sac):
     torch.set_num_threads(1)
     out = {}
     for form, repeat in FORMS.items():
         torch._dynamo.reset()
         model = GQALM(repeat)
-        backend = AutoSPBackend(sp_size=world, sp_rank=rank, group_name=dist.group.WORLD.group_name, backend="aot_eager")
+        backend = AutoSPBackend(
+            sp_size=world, sp_rank=rank, group_name=dist.group.WORLD.group_name, backend="aot_eager", sac=SACConfig() if sac else None
+        )
         ids, labels = _data(S)
         torch._dynamo.mark_dynamic(ids, 1)
         torch._dynamo.mark_dynamic(labels, 1)
@@ -85,18 +88,23 @@ def _worker(rank, world, S):
         for g in grads:  # each rank's gradient carries the SP factor: the mean over ranks is the gradient
             dist.all_reduce(g)
             g /= world
-        out[form] = (float(loss), grads, sum(s.kv_exchanged_unrepeated for s in backend.pass_stats))
+        (record,) = backend.compiled_step().saved_activations
+        out[form] = (float(loss), grads, sum(s.kv_exchanged_unrepeated for s in backend.pass_stats), record.recomputed)
     return out
 
 
-@pytest.mark.parametrize("S", [12, 11], ids=["even", "uneven"])
-def test_kv_exchanged_before_the_models_repeat(tmp_path, S):
-    results = spawn(tmp_path, _worker, 2, S)
+@pytest.mark.parametrize("S,sac", [(12, False), (11, False), (12, True)], ids=["even", "uneven", "even-sac"])
+def test_kv_exchanged_before_the_models_repeat(tmp_path, S, sac):
+    """With SAC, backward redoes the repeat from the exchanged KV heads (saved) instead of
+    keeping the repeated copy: the partition recomputes one copy per k and v."""
+    results = spawn(tmp_path, _worker, 2, S, sac)
     for form in FORMS:
         ref_loss, ref_grads = _single_device(form, S)
         for rank_result in results:
-            loss, grads, moved = rank_result[form]
+            loss, grads, moved, recomputed = rank_result[form]
             assert moved == (0 if form == "tiled" else 2 * 2), form  # k and v of 2 layers
+            if sac:  # the tiled model exchanges k, v as attention reads them: nothing to redo
+                assert recomputed.get("clone", 0) == (0 if form == "tiled" else 2 * 2), (form, recomputed)
             assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (form, loss, ref_loss)
             for g, r in zip(grads, ref_grads):
                 assert float((g - r).norm()) <= 1e-5 * max(float(r.norm()), 1e-6), form

@@ -6,7 +6,9 @@ memory. PyTorch's min-cut partitioner refuses to recompute matmuls on its own; t
 tells it which forward ops to recompute through its public contract, ``node.meta["recompute"]``:
 
 * every SP collective (``autosp::*``, ``_c10d_functional::*``), every attention op, its
-  outputs and its inputs are ``MUST_SAVE``: attention never runs twice and no collective is
+  outputs and its inputs are ``MUST_SAVE`` (but for k and v that the SP pass repeats after
+  exchanging them: the exchanged, smaller tensor is saved and the repeat redone in backward):
+  attention never runs twice and no collective is
   re-issued in backward (the partitioner would otherwise recompute a custom-op collective
   under a memory budget); so are the outputs of the fused vocabulary loss
   (``autosp_loss::linear_cross_entropy``), whose gradients were computed in forward;
@@ -108,12 +110,33 @@ def _is_collective(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in memory.COLLECTIVE_NAMESPACES
 
 
-_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "slice", "alias", "expand", "t", "permute", "transpose"})
+_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "slice", "alias", "expand", "t", "permute", "transpose", "unsqueeze"})
 
 
 def _is_view(node: fx.Node) -> bool:
     name = memory.qualified_op_name(node.target) if node.op == "call_function" else None
     return name is not None and name.rpartition("::")[2].split(".")[0] in _VIEWS
+
+
+def repeat_of_exchange(node: fx.Node) -> list[fx.Node]:
+    """When attention reads ``node`` as a copy of an all-to-all's output seen through views -
+    the KV heads the SP pass repeats after exchanging them (``transpose``, ``unsqueeze``,
+    ``expand``, ``clone``, ``_unsafe_view``) - the nodes from that copy on (the copy and its
+    views), which backward can redo from the saved all-to-all output instead of keeping ``Hk``
+    /``H`` of a repeated copy; otherwise ``[]``."""
+    chain: list[fx.Node] = []
+    copies = 0
+    n = node
+    while isinstance(n, fx.Node) and n.op == "call_function":
+        if _is_collective(n) or (n.target is operator.getitem and _is_collective(n.args[0])):
+            return chain if copies == 1 else []
+        if _op_name(n) == "aten::clone":
+            copies += 1
+        elif not _is_view(n):
+            return []
+        chain.append(n)
+        n = n.args[0]
+    return []
 
 
 def parameter_gathers(joint: fx.GraphModule, fwd: set[fx.Node]) -> list[fx.Node]:
@@ -183,7 +206,8 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
     Postcondition: the all-gathers of parameter shards (:func:`parameter_gathers`), their waits
     and views are ``MUST_RECOMPUTE``; every other forward collective and the fused vocabulary
     loss, with their ``getitem`` outputs, and every attention op, its ``getitem`` outputs and
-    its tensor inputs are ``MUST_SAVE``; every other forward op whose kind is in
+    its tensor inputs are ``MUST_SAVE``, except an input that is a copy of exchanged KV heads
+    (:func:`repeat_of_exchange`), whose copy and views are ``PREFER_RECOMPUTE``; every other forward op whose kind is in
     ``config.recompute`` (random ops excepted) is ``PREFER_RECOMPUTE``, with the ``getitem``
     outputs of a multi-output op tagged like the op; nothing else is tagged.
     """
@@ -207,7 +231,12 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
                 if u.target is operator.getitem:
                     save(u)
             for a in node.all_input_nodes:
-                if isinstance(a.meta.get("val"), torch.Tensor):
+                if not isinstance(a.meta.get("val"), torch.Tensor):
+                    continue
+                repeat = repeat_of_exchange(a)
+                for n in repeat:  # a repeat of exchanged KV heads: keep the exchanged heads instead
+                    n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+                if not repeat:
                     save(a)
     for node in joint.graph.nodes:
         if node.op != "call_function" or node not in fwd or "recompute" in node.meta:
