@@ -6,6 +6,7 @@ bytes saved for backward; a plain ``torch.compile`` elsewhere in the process is 
 """
 
 import logging
+import operator
 
 import pytest
 import torch
@@ -204,6 +205,47 @@ def test_budget_that_would_recompute_attention_falls_back(caplog):
     assert not any("scaled_dot_product" in op for op in rec.recomputed)
     by_kind = rec.bytes_by_kind({s: 32 for s in rec.symbols})
     assert by_kind["attention"] > 0 and sum(by_kind.values()) == by_kind["attention"]  # all else recomputed
+
+
+def _fused_loss_recomputed_worker(rank, world):
+    """Compile an SP step with a partition that recomputes the fused vocabulary loss in backward
+    (its tags overridden to MUST_RECOMPUTE, as a solver ignoring MUST_SAVE would): the loss and
+    gradients would still be right, computed twice. Returns the compile error, if any, and, as
+    the control, whether the unforced partition compiles and trains."""
+    import lightning_autosp.backend as backend_module
+    from lightning_autosp.passes import sac as sac_module
+
+    class Forcing(SACPartitioner):
+        def _partition(self, gm, joint_inputs, budget, kwargs):
+            for n in gm.graph.nodes:
+                fused = sac_module._is_fused_loss(n)
+                if fused or (n.target is operator.getitem and sac_module._is_fused_loss(n.args[0])):
+                    n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            return super()._partition(gm, joint_inputs, budget, kwargs)
+
+    out = {}
+    for name, partitioner in (("forced", Forcing), ("control", SACPartitioner)):
+        torch._dynamo.reset()
+        backend_module.SACPartitioner = partitioner
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig.tiny(vocab_size=VOCAB, n_layers=1))
+        backend = AutoSPBackend(sp_size=world, sp_rank=rank, group_name=dist.group.WORLD.group_name, backend="aot_eager", sac=SACConfig())
+        step = torch.compile(lambda a, b: lm_loss(model(a), b, False), backend=backend)
+        x, y = _batch(32)
+        torch._dynamo.mark_dynamic(x, 1)
+        torch._dynamo.mark_dynamic(y, 1)
+        try:
+            step(x, y).backward()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - the message is what the test checks
+            out[name] = str(e)
+    return out
+
+
+def test_partition_that_recomputes_the_fused_loss_is_refused(tmp_path):
+    for res in spawn(tmp_path, _fused_loss_recomputed_worker, 2):
+        assert "would recompute the fused vocabulary loss" in res["forced"], res["forced"]
+        assert res["control"] is None, res["control"]
 
 
 # ----------------------------------------------------------------------------- SP, two processes

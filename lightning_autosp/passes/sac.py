@@ -170,6 +170,10 @@ def _op_name(node: fx.Node) -> Optional[str]:
     return memory.qualified_op_name(node.target) if node.op == "call_function" else None
 
 
+def _is_fused_loss(node: fx.Node) -> bool:
+    return _op_name(node) == _FUSED_LOSS
+
+
 def _is_attention(node: fx.Node) -> bool:
     name = _op_name(node)
     return name is not None and memory.op_kind(name) == "attention"
@@ -222,7 +226,7 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
     for node in joint.graph.nodes:
         if node.op != "call_function" or node not in fwd or "recompute" in node.meta:
             continue
-        if _is_collective(node) or _op_name(node) == _FUSED_LOSS:
+        if _is_collective(node) or _is_fused_loss(node):
             for n in (node, *(u for u in node.users if u.target is operator.getitem)):
                 save(n)
         elif _is_attention(node):
@@ -340,7 +344,7 @@ class SACPartitioner(CustomPartitionerFn):
     @staticmethod
     def _violation(joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> Optional[str]:
         """Why the partition is unusable - it saves a multi-output op's tuple, or a forward
-        collective or attention op would run again in backward - or ``None``."""
+        collective, attention op or fused vocabulary loss would run again in backward - or ``None``."""
         saved = torch.utils._pytree.tree_leaves(fw.graph.find_nodes(op="output")[0].args[0])[num_fwd_outputs:]
         tuples = [n.name for n in saved if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), (tuple, list))]
         if tuples:
@@ -354,10 +358,11 @@ class SACPartitioner(CustomPartitionerFn):
                 f"put {got_bw} collectives in the backward graph where autograd needs {joint_bw} "
                 "(a forward collective would be re-issued)"
             )
-        fw_attn = {n.name for n in fw.graph.nodes if n.op == "call_function" and _is_attention(n)}
-        again = [n.name for n in bw.graph.nodes if n.op == "call_function" and n.name in fw_attn]
-        if again:
-            return f"would recompute attention op(s) {again} in backward"
+        for what, is_op in (("attention op(s)", _is_attention), ("the fused vocabulary loss", _is_fused_loss)):
+            in_fw = {n.name for n in fw.graph.nodes if n.op == "call_function" and is_op(n)}
+            again = [n.name for n in bw.graph.nodes if n.op == "call_function" and n.name in in_fw]
+            if again:
+                return f"would recompute {what} {again} in backward"
         return None
 
     # inductor's cache keys the compiled graph on this; the records are not part of it
