@@ -252,7 +252,7 @@ def walk(
     return Walk(peak=peak, saved=saved, outputs={o.name: storage.get(o) for o in outs}, size=size)
 
 
-def _backend(variant: str, sp_size: int, out: list) -> Callable:
+def _backend(variant: str, sp_size: int, out: list, native_gqa: Optional[bool] = False) -> Callable:
     """A backend that partitions like AutoSP (``*_eager`` variants: as eager autograd saves),
     appends ``(fw, bw, num_fwd_outputs)`` to ``out`` and stops the compile."""
     partitioner = SACPartitioner(
@@ -271,6 +271,7 @@ def _backend(variant: str, sp_size: int, out: list) -> Callable:
             gm = sequence_parallel_pass(
                 gm, example_inputs, sp_size=sp_size, sp_rank=0, group_name="traced", seq_dim=1, loss_chunk=chunk,
                 kv_before_repeat=not variant.startswith("ulysses"),  # hand-written: k, v exchanged as attention reads them
+                native_gqa=native_gqa,
             )
         aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=keep_graphs)(gm, example_inputs)
         raise _Traced
@@ -278,8 +279,15 @@ def _backend(variant: str, sp_size: int, out: list) -> Callable:
     return backend
 
 
-def trace(cfg: LlamaConfig, variant: str, sp_size: int = 8, dtype: torch.dtype = torch.bfloat16, S: int = 8192) -> Trace:
+def trace(
+    cfg: LlamaConfig, variant: str, sp_size: int = 8, dtype: torch.dtype = torch.bfloat16, S: int = 8192,
+    native_gqa: Optional[bool] = False,
+) -> Trace:
     """Trace one training step (forward + token-mean cross-entropy) of ``Llama(cfg)``.
+
+    ``native_gqa`` is the SP pass's argument: ``False`` (default) models AutoSP on a GPU, where
+    KV heads exchanged before the model's repeat are repeated again before attention; ``None``
+    models it where the traced tensors are (CPU: attention reads them unrepeated).
 
     The weights are real CPU tensors left uninitialised (``to_empty``), so that the CPU
     attention kernel (which, like flash attention, keeps only the output and the log-sum-exp)
@@ -304,7 +312,7 @@ def trace(cfg: LlamaConfig, variant: str, sp_size: int = 8, dtype: torch.dtype =
     graphs: list = []
     torch._dynamo.reset()
     try:
-        torch.compile(step, backend=_backend(variant, sp_size, graphs), fullgraph=True)(ids, labels)
+        torch.compile(step, backend=_backend(variant, sp_size, graphs, native_gqa), fullgraph=True)(ids, labels)
     except Exception as e:  # Dynamo wraps the backend's exception
         if not graphs or not _caused_by(e, _Traced):
             raise

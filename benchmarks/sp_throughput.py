@@ -333,7 +333,7 @@ def add_predictions(results: dict) -> None:
     for n, run_ in results["runs"].items():
         for name, r in run_["variants"].items():
             if name in MODEL_OF:
-                r["predicted_saved_bytes"] = mm.trace(cfg, MODEL_OF[name], int(n), torch.float32, S).memory(S)["saved"]
+                r["predicted_saved_bytes"] = mm.trace(cfg, MODEL_OF[name], int(n), torch.float32, S, native_gqa=None).memory(S)["saved"]
 
 
 def at_budget(r: dict, budget_mib: float) -> Optional[float]:

@@ -119,6 +119,9 @@ class AutoSPBackend:
     loss_chunk: Optional[int] = 0
     #: compile SP graphs with the sequence length as ``sp_size*c - r`` (:mod:`lightning_autosp.local_shapes`)
     local_shapes: bool = True
+    #: KV heads the model repeats reach attention unrepeated with ``enable_gqa`` (``None``: on CPU;
+    #: see :func:`~lightning_autosp.passes.sequence_parallel_pass`)
+    native_gqa: Optional[bool] = None
     pass_stats: list[SPPassStats] = field(default_factory=list)
     saved_activations: list[SavedActivations] = field(default_factory=list, repr=False)
     #: seconds spent so far in AutoSP's own compile steps: ``"sp_pass"`` (the SP pass) and
@@ -141,7 +144,7 @@ class AutoSPBackend:
         start = time.perf_counter()
         gm = sequence_parallel_pass(
             gm, example_inputs, sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=self.group_name, seq_dim=self.seq_dim,
-            loss_chunk=self.loss_chunk,
+            loss_chunk=self.loss_chunk, native_gqa=self.native_gqa,
         )
         self.pass_stats.append(gm.meta["autosp"])
         self.timings["sp_pass"] += time.perf_counter() - start

@@ -2,7 +2,8 @@
 
 The pass recognises the ways models repeat KV heads for grouped-query attention (head ``h``
 reads KV head ``h // n_rep``) and moves the all-to-all of k and v before the repeat, so it
-carries ``Hk`` heads instead of ``H``. A model that tiles its KV heads instead (head ``h``
+carries ``Hk`` heads instead of ``H``; attention then reads them unrepeated (``enable_gqa``,
+on CPU) or repeated on the rank's heads. A model that tiles its KV heads instead (head ``h``
 reads KV head ``h % Hk``) must not be taken for one: the mapping of heads to ranks differs.
 Every form is checked against one device on loss and gradients, at an even and an uneven
 sequence length.
@@ -70,14 +71,15 @@ def _single_device(form, S):
     return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
 
 
-def _worker(rank, world, S, sac):
+def _worker(rank, world, S, sac, native):
     torch.set_num_threads(1)
     out = {}
     for form, repeat in FORMS.items():
         torch._dynamo.reset()
         model = GQALM(repeat)
         backend = AutoSPBackend(
-            sp_size=world, sp_rank=rank, group_name=dist.group.WORLD.group_name, backend="aot_eager", sac=SACConfig() if sac else None
+            sp_size=world, sp_rank=rank, group_name=dist.group.WORLD.group_name, backend="aot_eager",
+            sac=SACConfig() if sac else None, native_gqa=native,
         )
         ids, labels = _data(S)
         torch._dynamo.mark_dynamic(ids, 1)
@@ -89,22 +91,32 @@ def _worker(rank, world, S, sac):
             dist.all_reduce(g)
             g /= world
         (record,) = backend.compiled_step().saved_activations
-        out[form] = (float(loss), grads, sum(s.kv_exchanged_unrepeated for s in backend.pass_stats), record.recomputed)
+        stats = backend.pass_stats
+        moved, native_calls = sum(s.kv_exchanged_unrepeated for s in stats), sum(s.native_gqa for s in stats)
+        out[form] = (float(loss), grads, moved, native_calls, record.recomputed)
     return out
 
 
-@pytest.mark.parametrize("S,sac", [(12, False), (11, False), (12, True)], ids=["even", "uneven", "even-sac"])
-def test_kv_exchanged_before_the_models_repeat(tmp_path, S, sac):
-    """With SAC, backward redoes the repeat from the exchanged KV heads (saved) instead of
-    keeping the repeated copy: the partition recomputes one copy per k and v."""
-    results = spawn(tmp_path, _worker, 2, S, sac)
+@pytest.mark.parametrize(
+    "S,sac,native",
+    [(12, False, None), (11, False, None), (11, False, False), (12, True, None), (12, True, False)],
+    ids=["even", "uneven", "uneven-repeat", "even-sac", "even-sac-repeat"],
+)
+def test_kv_exchanged_before_the_models_repeat(tmp_path, S, sac, native):
+    """On CPU (``native_gqa=None``) attention gets the exchanged KV heads unrepeated with
+    ``enable_gqa=True``; with ``native_gqa=False`` (as on CUDA) they are repeated after the
+    exchange, and with SAC backward redoes that repeat from the exchanged KV heads (saved)
+    instead of keeping the repeated copy: the partition recomputes one copy per k and v."""
+    results = spawn(tmp_path, _worker, 2, S, sac, native)
     for form in FORMS:
         ref_loss, ref_grads = _single_device(form, S)
         for rank_result in results:
-            loss, grads, moved, recomputed = rank_result[form]
+            loss, grads, moved, native_calls, recomputed = rank_result[form]
             assert moved == (0 if form == "tiled" else 2 * 2), form  # k and v of 2 layers
-            if sac:  # the tiled model exchanges k, v as attention reads them: nothing to redo
-                assert recomputed.get("clone", 0) == (0 if form == "tiled" else 2 * 2), (form, recomputed)
+            assert native_calls == (0 if form == "tiled" or native is False else 2), form  # one per attention
+            if sac:  # the tiled model exchanges k, v as attention reads them; native GQA repeats nothing
+                copies = 0 if form == "tiled" or native is None else 2 * 2
+                assert recomputed.get("clone", 0) == copies, (form, recomputed)
             assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (form, loss, ref_loss)
             for g, r in zip(grads, ref_grads):
                 assert float((g - r).norm()) <= 1e-5 * max(float(r.norm()), 1e-6), form

@@ -57,6 +57,9 @@ def test_pass_rewrites_every_attention(kind, shift):
     # the tiny Llama repeats its 2 KV heads for 4 query heads (repeat_kv): k and v are exchanged
     # before the repeat (2 KV heads divide by sp_size=2); the GPT has as many KV heads as query heads
     assert stats.kv_exchanged_unrepeated == (2 * len(sdpa) if kind == "llama" else 0)
+    # on CPU attention reads them unrepeated: enable_gqa, 1 KV head per rank for 2 query heads
+    assert stats.native_gqa == (len(sdpa) if kind == "llama" else 0)
+    assert all(n.kwargs.get("enable_gqa", False) == (kind == "llama") for n in sdpa)
 
 
 def test_heads_not_divisible_is_an_error():
@@ -150,4 +153,10 @@ def test_kv_exchanged_as_attention_reads_them_when_asked():
     for before, moved in ((True, 4), (False, 0)):
         out = sequence_parallel_pass(gm, sp_size=2, sp_rank=0, group_name="unused", kv_before_repeat=before)
         assert out.meta["autosp"].kv_exchanged_unrepeated == moved
+        assert out.meta["autosp"].native_gqa == moved // 2
         assert sum(n.target in A2A for n in out.graph.nodes) == 8
+    # native_gqa=False (the default off CPU) repeats the exchanged heads instead
+    out = sequence_parallel_pass(gm, sp_size=2, sp_rank=0, group_name="unused", native_gqa=False)
+    sdpa = out.graph.find_nodes(op="call_function", target=SDPA)
+    assert out.meta["autosp"].native_gqa == 0 and out.meta["autosp"].kv_exchanged_unrepeated == 4
+    assert all(not n.kwargs.get("enable_gqa", False) and exchanged_source(n.args[1]) is not n.args[1] for n in sdpa)

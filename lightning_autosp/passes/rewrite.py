@@ -36,6 +36,8 @@ class SPPassStats:
     fused_losses: int = 0
     #: k or v inputs of attention exchanged before the model's own head repeat (``repeat_kv``)
     kv_exchanged_unrepeated: int = 0
+    #: attention calls given those KV heads unrepeated (``enable_gqa=True``) instead of repeated after the exchange
+    native_gqa: int = 0
 
 
 class SPRewrite:
@@ -48,13 +50,16 @@ class SPRewrite:
 
     def __init__(
         self, gm: fx.GraphModule, sp_size: int, sp_rank: int, group_name: str, seq: sympy.Symbol, loss_chunk: Optional[int] = 0,
-        kv_before_repeat: bool = True,
+        kv_before_repeat: bool = True, native_gqa: Optional[bool] = None,
     ):
         self.gm = gm
         #: rows per chunk of the fused vocabulary projection and loss (0: automatic, None: off)
         self.loss_chunk = loss_chunk
         #: exchange KV heads before the model's own repeat of them (see the attention rule)
         self.kv_before_repeat = kv_before_repeat
+        #: KV heads exchanged before the model's repeat reach attention unrepeated (``enable_gqa``)
+        #: instead of repeated after the exchange; ``None``: where verified (CPU tensors)
+        self.native_gqa = native_gqa
         self.sp_size = sp_size
         self.sp_rank = sp_rank
         self.group_name = group_name

@@ -202,6 +202,7 @@ def sequence_parallel_pass(
     seq_dim: int = 1,
     loss_chunk: Optional[int] = 0,
     kv_before_repeat: bool = True,
+    native_gqa: Optional[bool] = None,
 ) -> fx.GraphModule:
     """Rewrite a Dynamo graph for Ulysses sequence parallelism (see the module docstring).
 
@@ -213,6 +214,12 @@ def sequence_parallel_pass(
     ``kv_before_repeat=False`` exchanges k and v as attention receives them, after the model's
     own repeat of the KV heads, as hand-written Ulysses around an attention function does (the
     benchmarks' memory model of that baseline); the default exchanges them before the repeat.
+    KV heads exchanged before the repeat are then repeated on the rank's heads, or, with
+    ``native_gqa``, handed to attention unrepeated with ``enable_gqa=True`` (attention reads
+    query head ``i`` against KV head ``i // n_rep``, the same heads as the repeat): no repeated
+    copy, in forward or backward. ``None`` (default) does so where that attention kernel was
+    verified here - CPU tensors (the CPU flash kernel computes grouped heads itself) - and
+    repeats elsewhere (on CUDA some attention backends would fall back to the math kernel).
     """
     if sp_size < 1 or not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} must lie in [0, sp_size={sp_size})")
@@ -229,7 +236,7 @@ def sequence_parallel_pass(
             )
         gm.meta["autosp"] = SPPassStats()
         return gm
-    rw = SPRewrite(gm, sp_size, sp_rank, group_name, seq, loss_chunk, kv_before_repeat)
+    rw = SPRewrite(gm, sp_size, sp_rank, group_name, seq, loss_chunk, kv_before_repeat, native_gqa)
     graph = _run(rw)
     _check_postcondition(graph, rw.stats)
     _check_example_fits(gm, seq, sp_size, rw.stats.max_shift)

@@ -22,7 +22,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from lightning_autosp.errors import AutoSPError, user_source
-from lightning_autosp.passes.sp_rules.registry import OpCall, RuleResult, op, sp_rule
+from lightning_autosp.passes.sp_rules.registry import OpCall, RuleResult, calls, op, sp_rule
 
 if TYPE_CHECKING:
     from lightning_autosp.passes.rewrite import SPRewrite
@@ -49,15 +49,6 @@ def _kv_repeat(node: fx.Node, heads: int, kv_heads: int, sp_size: int, gqa: bool
     return sp_size // kv_heads if sp_size % kv_heads == 0 else heads // kv_heads
 
 
-def _calls(n: object, name: str) -> bool:
-    """``n`` calls ``torch.<name>`` or the tensor method ``<name>``."""
-    if not isinstance(n, fx.Node):
-        return False
-    if n.op == "call_method":
-        return n.target == name
-    return n.op == "call_function" and n.target in (getattr(torch, name, None), getattr(torch.Tensor, name, None))
-
-
 def _only_inserts_dims(index: object) -> bool:
     """A ``getitem`` index made of ``None``, ``...`` and full slices (``x[:, :, None]``)."""
     items = index if isinstance(index, tuple) else (index,)
@@ -75,7 +66,7 @@ def repeated_heads(rw: "SPRewrite", n: fx.Node, head_dim: int) -> Optional[tuple
     ``flatten`` work too) or ``x.repeat_interleave(n_rep, dim=head_dim)``. Checked on the shapes
     of every step, so a similar chain that maps heads differently is not taken; else ``None``."""
     shape = list(rw.shape(n))
-    if _calls(n, "repeat_interleave"):
+    if calls(n, "repeat_interleave"):
         bound = dict(zip(("input", "repeats", "dim"), n.args))
         bound.update(n.kwargs)
         x, reps, dim = bound.get("input"), bound.get("repeats"), bound.get("dim")
@@ -86,15 +77,15 @@ def repeated_heads(rw: "SPRewrite", n: fx.Node, head_dim: int) -> Optional[tuple
             return None
         expect = xs[:head_dim] + [xs[head_dim] * reps] + xs[head_dim + 1:]
         return (x, reps) if expect == shape else None
-    if not (_calls(n, "reshape") or _calls(n, "view") or _calls(n, "flatten")) or not isinstance(n.args[0], fx.Node):
+    if not (calls(n, "reshape") or calls(n, "view") or calls(n, "flatten")) or not isinstance(n.args[0], fx.Node):
         return None
     e = n.args[0]
-    if not _calls(e, "expand") or not isinstance(e.args[0], fx.Node):
+    if not calls(e, "expand") or not isinstance(e.args[0], fx.Node):
         return None
     u = e.args[0]
     if u.target is operator.getitem and isinstance(u.args[0], fx.Node) and _only_inserts_dims(u.args[1]):
         x = u.args[0]
-    elif _calls(u, "unsqueeze") and isinstance(u.args[0], fx.Node):
+    elif calls(u, "unsqueeze") and isinstance(u.args[0], fx.Node):
         x = u.args[0]
     else:
         return None
@@ -118,9 +109,18 @@ def _repeat_heads(rw: "SPRewrite", x: fx.Node, n_rep: int, head_dim: int) -> fx.
     return g.call_function(torch.flatten, (e, head_dim, head_dim + 1))
 
 
+def _native_gqa(rw: "SPRewrite", q: fx.Node) -> bool:
+    """Hand attention the exchanged KV heads unrepeated (``enable_gqa=True``)? ``rw.native_gqa``,
+    or where it is verified when that is ``None``: CPU tensors (the CPU flash kernel groups the
+    heads itself, forward and backward)."""
+    if rw.native_gqa is not None:
+        return rw.native_gqa
+    return rw.val(q).device.type == "cpu"
+
+
 def exchanged_source(a: object) -> object:
     """What attention reads ``a`` from: through the local repeat :func:`_repeat_heads` emits."""
-    if _calls(a, "flatten") and _calls(a.args[0], "expand") and _calls(a.args[0].args[0], "unsqueeze"):
+    if calls(a, "flatten") and calls(a.args[0], "expand") and calls(a.args[0].args[0], "unsqueeze"):
         return a.args[0].args[0].args[0]
     return a
 
@@ -206,28 +206,37 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
             "dropout on activations, `F.dropout`/`nn.Dropout`, is supported)."
         )
     kv_repeat = _kv_repeat(node, heads, kv_heads, rw.sp_size, bool(bound.get("enable_gqa", False)))
+    # KV heads the model repeats for attention: exchange them before the repeat (as (x, n_rep))
+    unrepeated = {}
+    if kv_repeat == 1 and rw.kv_before_repeat:
+        for n in (k, v):
+            found = repeated_heads(rw, n, head_dim)
+            if found is not None and (kv_heads // found[1]) % rw.sp_size == 0:
+                unrepeated[n] = found
+    reps = {n_rep for _, n_rep in unrepeated.values()}
+    native = len(unrepeated) == 2 and len(reps) == 1 and _native_gqa(rw, q)  # k and v both, alike
     qkv = []
     for n in (q, k, v):
         n_heads = heads if n is q else kv_heads
-        source, n_rep = n, 1
-        if n is not q and kv_repeat == 1 and rw.kv_before_repeat:  # the model repeats the KV heads: exchange them before
-            found = repeated_heads(rw, n, head_dim)
-            if found is not None and (n_heads // found[1]) % rw.sp_size == 0:
-                source, n_rep = found
+        source, n_rep = unrepeated.get(n, (n, 1))
         local = _sequence_local(rw, node, source, seq_dim)
         if n is not q and kv_repeat > 1:  # [B, Hk, S/P, D] -> [B, Hk*kv_repeat, S/P, D]
             local = rw.graph.call_function(torch.repeat_interleave, (local, kv_repeat), {"dim": head_dim})
             n_heads = kv_heads * kv_repeat
         # [B, H, S/P, D] -> [B, H/P, S, D]
         exchanged = _to_heads(rw, local, n_heads // n_rep, head_dim, seq_dim)
-        if n_rep > 1:  # [B, Hk/P, S, D] -> [B, H/P, S, D]
-            exchanged = _repeat_heads(rw, exchanged, n_rep, head_dim)
+        if n_rep > 1:
             rw.stats.kv_exchanged_unrepeated += 1
+            if not native:  # [B, Hk/P, S, D] -> [B, H/P, S, D]
+                exchanged = _repeat_heads(rw, exchanged, n_rep, head_dim)
         qkv.append(exchanged)
         rw.stats.all_to_all += 1
     kwargs = {key: bound[key] for key in _SDPA_ARGS[3:] if key in bound}
     if kv_repeat > 1 and kv_heads * kv_repeat == heads:
         kwargs["enable_gqa"] = False
+    if native:  # rank j's query heads j*H/P.. read KV heads j*Hk/P.. (head i -> i // n_rep), as after the repeat
+        kwargs["enable_gqa"] = True
+        rw.stats.native_gqa += 1
     mask = kwargs.get("attn_mask")
     if isinstance(mask, fx.Node):
         full_mask = rw.redistribute.to_replicate(mask)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from lightning_autosp.passes import runtime
 from lightning_autosp.passes.placement import REPLICATE, Shard, norm_dim
-from lightning_autosp.passes.sp_rules.registry import OpCall, RuleResult, op, sp_rule
+from lightning_autosp.passes.sp_rules.registry import OpCall, RuleResult, calls, op, sp_rule
 
 if TYPE_CHECKING:
     from lightning_autosp.passes.rewrite import SPRewrite
@@ -145,7 +145,7 @@ def _row_op(node: fx.Node, ndim: int) -> Optional[str]:
     only), ``"reshape"`` (``view``/``reshape``), ``"keep"`` (layout or dtype), else ``None``."""
     if node.target is operator.getitem:
         return "slice" if _row_index(node.args[1], ndim) else None
-    if node.target is torch.reshape or (node.op == "call_method" and node.target in _RESHAPES):
+    if any(calls(node, name) for name in _RESHAPES):
         return "reshape"
     return "keep" if node.op == "call_method" and node.target in _KEEP_ROWS else None
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch
 import torch.fx as fx
 
 if TYPE_CHECKING:
     from lightning_autosp.passes.rewrite import SPRewrite
 
-__all__ = ["OpCall", "Rule", "op", "sp_rule", "lookup"]
+__all__ = ["OpCall", "Rule", "op", "sp_rule", "lookup", "calls"]
 
 RuleResult = Optional[tuple[Any, Any]]
 
@@ -115,3 +116,13 @@ def lookup(node: fx.Node) -> Optional[tuple[OpCall, Rule]]:
             return OpCall(name, inplace=True), rule
     return None
 
+
+def calls(node: object, name: str) -> bool:
+    """``node`` calls ``name`` in one of its out-of-place spellings - ``torch.<name>(x, ..)``,
+    ``torch.Tensor.<name>(x, ..)`` or ``x.<name>(..)`` - whether or not a rule is registered
+    for it (the pass's pattern matchers use it to read what the model computes)."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_method":
+        return node.target == name
+    return node.op == "call_function" and node.target in (getattr(torch, name, None), getattr(torch.Tensor, name, None))
