@@ -1,14 +1,15 @@
 """Save and load time, and bytes written per rank, of a checkpoint (model + AdamW state) in the
 replicated mode (``fsdp=False``: rank 0 writes one file, every rank reads it) and the sharded
-mode (``fsdp=True``: every rank writes its shard, reads its slice), side by side in one run
+mode (``fsdp=True``: a torch distributed checkpoint, every rank writes its shards and reads its
+slice), side by side in one run
 (CPU, gloo, ``--nprocs`` processes, the files on local disk).
 
 The model is a scaled-down stand-in for Llama-3.2-1B: its width (dim 1024 here against 2048)
 and vocabulary are kept smaller so that ``--nprocs`` replicas and their AdamW state fit this
 machine; the per-parameter costs scale with the parameter count. What each mode runs is what
 ``AutoSPStrategy`` runs: ``torch.save`` of Lightning's checkpoint dict on rank 0 and
-``load_state_dict`` on every rank, or ``lightning_autosp.checkpoint.save_sharded`` and
-``load_sharded_module``/``load_sharded_optimizer``. Times are the median of ``--reps`` rounds,
+``load_state_dict`` on every rank, or ``lightning_autosp.checkpoint.save_distributed`` and
+``load_distributed`` (DCP, with the DTensor parameters of ``lightning_autosp.fsdp.shard_module``). Times are the median of ``--reps`` rounds,
 each from a barrier to a barrier (the slowest rank); the page cache is warm after the first
 round, as on a node that reads back what it wrote.
 
@@ -31,19 +32,9 @@ import torch
 import torch.distributed as dist
 from _common import arguments, finish, init_worker, launch, llama_config, median_seconds, parser
 
-from lightning_autosp.checkpoint import (
-    ShardedCheckpoint,
-    load_sharded_module,
-    load_sharded_optimizer,
-    named_optimizer_state,
-    save_sharded,
-    shard_file_name,
-    sharded_param_names,
-    sharded_shapes,
-    sharded_state_dict,
-)
+from lightning_autosp.checkpoint import META_FILE, load_distributed, save_distributed
 from lightning_autosp.examples.models import Llama
-from lightning_autosp.fsdp import shard_parameters
+from lightning_autosp.fsdp import ShardingPolicy, shard_module
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -58,7 +49,9 @@ def _model_and_optimizer(args: argparse.Namespace, sharded: bool):
     torch.manual_seed(0)
     model = Llama(llama_config(args, max_seq_len=64))
     if sharded:
-        shard_parameters(model, dist.group.WORLD)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        shard_module(model, ShardingPolicy(DeviceMesh.from_group(dist.group.WORLD, "cpu")))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -91,22 +84,22 @@ def worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
         rows["replicated"] = {"save_s": save_s, "load_s": load_s, "bytes_per_rank": written}
         del model, optimizer
 
-        # sharded: one file per rank, each rank reads its slice
+        # sharded: a torch distributed checkpoint, each rank writes its shards and reads its slice
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         model, optimizer = _model_and_optimizer(args, sharded=True)
         path = Path(where) / "sharded.ckpt"
 
         def save():
-            checkpoint = {"state_dict": sharded_state_dict(model), "optimizer_states": [named_optimizer_state(optimizer, sharded_param_names(model))]}
-            save_sharded(checkpoint, path, rank=rank, world=world, shapes=sharded_shapes(model), barrier=lambda name: dist.barrier())
+            checkpoint = {"state_dict": model.state_dict(), "optimizer_states": [get_optimizer_state_dict(model, optimizer)]}
+            save_distributed(checkpoint, path, rank=rank, barrier=lambda name: dist.barrier())
 
         def load():
-            source = ShardedCheckpoint(path)
-            load_sharded_module(model, source, rank, world)
-            load_sharded_optimizer(optimizer, 0, source, model, rank)
+            load_distributed(path, model, [optimizer])
 
         save_s = median_seconds(save, args.reps, dist.barrier, dist.barrier)
         load_s = median_seconds(load, args.reps, dist.barrier, dist.barrier)
-        written = [(path / shard_file_name(r, world)).stat().st_size + ((path / "meta.pt").stat().st_size if r == 0 else 0) for r in range(world)]
+        written = [(path / f"__{r}_0.distcp").stat().st_size + ((path / META_FILE).stat().st_size + (path / ".metadata").stat().st_size if r == 0 else 0) for r in range(world)]
         rows["sharded"] = {"save_s": save_s, "load_s": load_s, "bytes_per_rank": written}
         if rank == 0:
             torch.save({"args": arguments(args), "params": params, "rows": rows}, os.path.join(out_dir, "result.pt"))

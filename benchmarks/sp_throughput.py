@@ -58,7 +58,7 @@ from ulysses_baseline import default_impl, init_deepspeed, local_shard, ulysses_
 
 from lightning_autosp.backend import AutoSPBackend
 from lightning_autosp.examples.models import Llama, LlamaConfig
-from lightning_autosp.fsdp import shard_parameters
+from lightning_autosp.fsdp import ShardingPolicy, shard_module
 from lightning_autosp.passes.sac import SACConfig
 
 VARIANTS = ("autosp_sac", "autosp", "ulysses_compiled", "ulysses_eager", "ddp_compiled", "autosp_sac_fsdp")
@@ -116,7 +116,9 @@ class Variant:
         self.sharded = name == "autosp_sac_fsdp"
         group = dist.group.WORLD
         if self.sharded:
-            shard_parameters(self.model, group)
+            from torch.distributed.device_mesh import DeviceMesh
+
+            shard_module(self.model, ShardingPolicy(DeviceMesh.from_group(group, "cpu")))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
 
         def full_loss(ids, labels, model=self.model):

@@ -6,8 +6,8 @@ state dict, in one file, for one device::
 
 ``OUT.pt`` loads with ``model.load_state_dict(torch.load("OUT.pt"))``: keys are the model's own
 (``layers.0.attention.wq.weight``), without the LightningModule attribute that holds the model
-(``--module``; by default the one prefix every key shares), ``torch.compile``'s ``_orig_mod.``
-or the sharded mode's ``parametrizations``. With ``--hf-config`` (a directory or ``config.json``
+(``--module``; by default the one prefix every key shares) or ``torch.compile``'s ``_orig_mod.``.
+A sharded checkpoint (a torch distributed checkpoint directory) is read whole in this process. With ``--hf-config`` (a directory or ``config.json``
 of a Hugging Face causal LM) the weights go through ``save_pretrained`` into ``OUT_DIR``, ready
 for ``from_pretrained``. The whole model is assembled in host memory.
 
@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from lightning_autosp.checkpoint import ShardedCheckpoint, _own_name, is_sharded_checkpoint
+from lightning_autosp.checkpoint import is_distributed_checkpoint, read_model_state_dict
 from lightning_autosp.errors import AutoSPError
 
 __all__ = ["export_state_dict", "main"]
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 def _clean(key: str) -> str:
-    return _own_name(".".join(part for part in key.split(".") if part != "_orig_mod"))
+    return ".".join(part for part in key.split(".") if part != "_orig_mod")
 
 
 def export_state_dict(checkpoint: Any, module: Optional[str] = None) -> dict[str, torch.Tensor]:
@@ -45,8 +45,8 @@ def export_state_dict(checkpoint: Any, module: Optional[str] = None) -> dict[str
     path = Path(checkpoint)
     if not path.exists():
         raise AutoSPError(f"export: {path} does not exist.")
-    if is_sharded_checkpoint(path):
-        state = ShardedCheckpoint(path).model_state_dict()
+    if is_distributed_checkpoint(path):
+        state = read_model_state_dict(path)
     else:
         try:
             loaded = torch.load(path, map_location="cpu", weights_only=False)

@@ -1,89 +1,198 @@
-"""Sharded data parallelism for ``AutoSPStrategy(fsdp=True)``: parameters, gradients and
-optimizer state split over every rank of the ``dp x sp`` world (ZeRO-3 semantics).
+"""Sharded data parallelism for ``AutoSPStrategy(fsdp=...)``: every parameter a
+:class:`~torch.distributed.tensor.DTensor` sharded over a device mesh, gathered inside the
+compiled step (ZeRO-3 semantics, as torchtitan's SimpleFSDP does it).
 
-Each parameter is held as one flat shard per rank (its elements, padded to a multiple of the
-world size, in rank order) behind a :mod:`torch.nn.utils.parametrize` parametrization whose
-forward all-gathers the shards with a traceable, differentiable functional collective. Inside
-the compiled step the gathers are ordinary graph nodes: the SP pass leaves them alone (no
-sequence dim), AOT autograd derives their adjoint, a reduce-scatter that leaves each rank the
-gradient of its own shard (averaged over the world, as DDP averages), and the optimizer only
-ever sees the shards. No wrapper module and no DDP: the model keeps its own attribute names.
+What user code sees is what it sees on one device, because the parameters *are* the model's
+parameters, only distributed: ``named_parameters()`` gives the model's own names, each
+parameter has its global shape and ``dim()``, its ``.grad`` is a DTensor of the same shape, and
+elementwise optimizer state (SGD momentum, Adam's moments) follows as DTensors. Norms of
+DTensors are whole-model values, so ``torch.nn.utils.clip_grad_norm_`` (what Lightning's
+``gradient_clip_val`` calls) clips by the norm of the whole model, and torch's distributed
+checkpoint (DCP) saves and reshards them.
+
+Each parameter is held as ``Shard(0)`` on the mesh (``Replicate()`` for a 0-d one): rows in
+rank order, the last ranks holding fewer when the rows do not divide. With ``"hybrid"`` the
+mesh has two dims, ``("replicate", "shard")``: shards within a node, replicas across nodes.
+
+A module that holds parameters gets a subclass of its own class (``Sharded<Name>``) whose
+parameter names are properties: reading ``linear.weight`` in ``forward`` returns the full
+weight, ``redistribute``-d to ``Replicate`` (an all-gather, in ``param_dtype`` if set) and
+taken ``to_local`` with ``Partial("avg")`` gradients, so autograd derives a reduce-scatter (in
+``reduce_dtype``) that leaves each rank the world-average gradient of its shard, as DDP
+averages. Under ``torch.compile`` these are ordinary graph nodes: the SP pass leaves them alone
+(no sequence dim), SAC gathers them again in backward instead of saving full weights, and
+:mod:`lightning_autosp.passes.bucketing` groups them per transformer block. ``state_dict()``
+reads the parameters themselves (DTensors, under the model's own keys); nothing is gathered.
 
 Tied parameters (one ``Parameter`` held by several modules, such as an output head tied to the
-token embedding) stay tied: every owner reads the same shard.
+token embedding) stay one DTensor.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.utils import parametrize
 
-from lightning_autosp._compat import all_gather_autograd
 from lightning_autosp.errors import AutoSPError
 
-__all__ = ["materialize_meta", "broadcast_module", "shard_parameters", "unshard_parameters", "is_sharded", "full_state_dict", "sharded_parameter_bytes", "clip_grad_norm_"]
+__all__ = [
+    "FSDP_MODES",
+    "ShardingPolicy",
+    "shard_module",
+    "unshard_module",
+    "is_sharded",
+    "full_state_dict",
+    "materialize_meta",
+    "has_meta_tensors",
+    "broadcast_module",
+    "sharded_parameter_bytes",
+    "local_tensor",
+]
 
 log = logging.getLogger(__name__)
 
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; multiplies the gradient by ``scale`` (averages the reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
+#: ``fsdp="full"`` (or ``True``): shard over every rank; ``"hybrid"``: shard within a node,
+#: replicate across nodes
+FSDP_MODES = ("full", "hybrid")
 
 
-class GatherShards(nn.Module):
-    """The parametrization: a flat shard of ``numel / world`` elements in, the full parameter
-    of ``shape`` out (all-gathered over ``group_name``).
+@dataclass(frozen=True)
+class ShardingPolicy:
+    """How parameters are sharded and gathered.
 
-    ``right_inverse`` cuts this rank's shard out of the full tensor when the parametrization is
-    registered; ``already_sharded`` marks a further owner of a tied parameter, whose tensor is
-    the shard already.
+    Attributes:
+        mesh: a 1-D mesh (shard over all of it) or a 2-D ``(replicate, shard)`` mesh (HSDP).
+        param_dtype: the dtype parameters are all-gathered and computed in (``None``: their own);
+            only floating-point parameters are cast.
+        reduce_dtype: the dtype gradients are reduce-scattered in (``None``: the gradient's own).
     """
 
-    def __init__(self, shape: torch.Size, rank: int, world: int, group_name: str, already_sharded: bool = False):
-        super().__init__()
-        self.shape = tuple(shape)
-        self.numel = int(torch.Size(shape).numel())
-        self.rank, self.world, self.group_name = rank, world, group_name
-        self.chunk = -(-self.numel // world)
-        self.already_sharded = already_sharded
+    mesh: Any  # DeviceMesh
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
 
-    def forward(self, shard: torch.Tensor) -> torch.Tensor:
-        full = all_gather_autograd(_ScaleGrad.apply(shard, 1.0 / self.world), 0, self.group_name)
-        return full[: self.numel].view(self.shape)
+    def placements(self, param: torch.Tensor) -> tuple:
+        from torch.distributed.tensor import Replicate, Shard
 
-    def right_inverse(self, full: torch.Tensor) -> torch.Tensor:
-        if self.already_sharded:
-            return full
-        flat = full.detach().reshape(-1)
-        padded = torch.cat([flat, flat.new_zeros(self.chunk * self.world - self.numel)])
-        return padded[self.rank * self.chunk : (self.rank + 1) * self.chunk].clone()
-
-    def extra_repr(self) -> str:
-        return f"shape={self.shape}, shard={self.chunk} of {self.world}"
+        sharded = Shard(0) if param.dim() > 0 else Replicate()
+        return (Replicate(), sharded) if self.mesh.ndim == 2 else (sharded,)
 
 
-def _owners(module: nn.Module) -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:
-    """Every parameter and the (module, attribute) pairs that hold it, tied ones included."""
-    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+class _Gather:
+    """``param -> full local tensor`` for the properties of a sharded module: all-gather in
+    ``param_dtype``, gradients reduce-scattered (and averaged) in ``reduce_dtype``."""
+
+    def __init__(self, policy: ShardingPolicy):
+        from torch.distributed.tensor import Partial, Replicate
+
+        self.policy = policy
+        self.replicate = (Replicate(),) * policy.mesh.ndim
+        self.grad_placements = (Partial("avg"),) * policy.mesh.ndim
+
+    def __call__(self, param: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(param, DTensor):  # assigned a plain tensor after sharding
+            return param
+        forward = backward = None
+        if param.is_floating_point() and self.policy.param_dtype not in (None, param.dtype):
+            forward, backward = self.policy.param_dtype, self.policy.reduce_dtype or param.dtype
+        elif param.is_floating_point() and self.policy.reduce_dtype not in (None, param.dtype):
+            backward = self.policy.reduce_dtype
+        full = param.redistribute(placements=self.replicate, forward_dtype=forward, backward_dtype=backward)
+        return full.to_local(grad_placements=self.grad_placements)
+
+
+#: (original class, parameter names) -> the subclass with a property per parameter name
+_SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
+    key = (cls, names)
+    if key not in _SHARDED_CLASSES:
+        props = {name: property(lambda self, name=name: self._autosp_gather(self._parameters[name])) for name in names}
+        props["_autosp_original_class"] = cls
+        _SHARDED_CLASSES[key] = type(f"Sharded{cls.__name__}", (cls,), props)
+    return _SHARDED_CLASSES[key]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (``t`` itself unless it is a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def shard_module(module: nn.Module, policy: ShardingPolicy) -> int:
+    """Make every parameter of ``module`` a DTensor sharded by ``policy`` (in place), each
+    module's class a ``Sharded<Name>`` subclass that gathers them when read; return how many
+    parameters were sharded. All ranks must hold the same values before (the strategy
+    broadcasts rank 0's first); each keeps its shard (a copy, so the full tensor can be freed).
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    gather = _Gather(policy)
+    done: dict[int, nn.Parameter] = {}
+    for mod in list(module.modules()):
+        names = tuple(n for n, p in mod._parameters.items() if p is not None)
+        if not names or hasattr(type(mod), "_autosp_original_class"):
+            continue
+        for name in names:
+            p = mod._parameters[name]
+            if id(p) not in done:
+                if isinstance(p, DTensor):
+                    raise AutoSPError(
+                        f"{type(mod).__name__}.{name} is a DTensor already (placements {p.placements}): AutoSP's fsdp "
+                        "shards plain parameters. Build the model without applying another parallelism to it."
+                    )
+                with torch.no_grad():
+                    dt = distribute_tensor(p.detach(), policy.mesh, policy.placements(p), src_data_rank=None)
+                    dt = DTensor.from_local(dt.to_local().clone(), policy.mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride())
+                done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            mod._parameters[name] = done[id(p)]
+        object.__setattr__(mod, "_autosp_gather", gather)
+        mod.__class__ = _sharded_class(type(mod), names)
+    log.debug("AutoSP: sharded %d parameters over %s", len(done), policy.mesh)
+    return len(done)
+
+
+def unshard_module(module: nn.Module) -> int:
+    """Undo :func:`shard_module` (in place): every parameter a full plain tensor again on every
+    rank, tied ones still tied, each module of its own class again; return how many. A
+    collective: call it on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    done: dict[int, nn.Parameter] = {}
     for mod in module.modules():
+        original = getattr(type(mod), "_autosp_original_class", None)
+        if original is None:
+            continue
         for name, p in list(mod._parameters.items()):
-            if p is not None:
-                owners.setdefault(p, []).append((mod, name))
-    return owners
+            if isinstance(p, DTensor):
+                if id(p) not in done:
+                    done[id(p)] = nn.Parameter(p.detach().full_tensor(), requires_grad=p.requires_grad)
+                mod._parameters[name] = done[id(p)]
+        mod.__class__ = original
+        del mod._autosp_gather
+    return len(done)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return any(hasattr(type(m), "_autosp_original_class") for m in module.modules())
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every DTensor gathered whole, on every rank (a collective).
+    Meant for small models and tests: every rank holds the whole model while it runs."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -177,102 +286,19 @@ def broadcast_module(module: nn.Module, src: int = 0) -> None:
             dist.broadcast(t, src=src)
 
 
-def shard_parameters(module: nn.Module, group: dist.ProcessGroup) -> int:
-    """Shard every parameter of ``module`` over ``group`` (in place); return how many.
-
-    All ranks must hold the same values before (the strategy broadcasts rank 0's first).
-    """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    count = 0
-    for p, owners in _owners(module).items():
-        if parametrize.is_parametrized(owners[0][0], owners[0][1]):
-            continue
-        shape = p.shape
-        for i, (mod, name) in enumerate(owners):
-            gather = GatherShards(shape, rank, world, group.group_name, already_sharded=i > 0)
-            parametrize.register_parametrization(mod, name, gather, unsafe=True)
-        count += 1
-    log.debug("AutoSP: sharded %d parameters over %d ranks", count, world)
-    return count
-
-
-def unshard_parameters(module: nn.Module) -> int:
-    """Undo :func:`shard_parameters` (in place): every parameter full again on every rank, tied
-    ones still tied, under the model's own names; return how many. A collective."""
-    full: dict[int, nn.Parameter] = {}
-    entries = list(_sharded_entries(module))
-    with torch.no_grad():
-        for _, mod, name in entries:
-            shard = mod.parametrizations[name].original
-            if id(shard) not in full:
-                full[id(shard)] = nn.Parameter(getattr(mod, name).detach().clone(), requires_grad=shard.requires_grad)
-    for _, mod, name in entries:
-        shard = mod.parametrizations[name].original
-        parametrize.remove_parametrizations(mod, name, leave_parametrized=False)
-        delattr(mod, name)
-        mod.register_parameter(name, full[id(shard)])
-    return len(full)
-
-
-def is_sharded(module: nn.Module) -> bool:
-    return any(isinstance(m, GatherShards) for m in module.modules())
-
-
-def _sharded_entries(module: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
-    for prefix, mod in module.named_modules():
-        if parametrize.is_parametrized(mod):
-            for name in mod.parametrizations:
-                yield (f"{prefix}.{name}" if prefix else name), mod, name
-
-
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict of a sharded ``module`` with its own key names (``head.weight``, not
-    ``head.parametrizations.weight.original``) and full tensors, gathered on every rank.
-
-    A collective: call it on every rank. Meant for small models and tests; every rank holds the
-    whole model while it runs.
-    """
-    state = {}
-    with torch.no_grad():
-        for key, value in module.state_dict().items():
-            if ".parametrizations." not in f".{key}":
-                state[key] = value
-        for key, mod, name in _sharded_entries(module):
-            state[key] = getattr(mod, name).detach().clone()
-    return state
-
-
-def clip_grad_norm_(parameters, max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Clip the gradients of sharded parameters to a total L2 norm of ``max_norm`` and return the
-    total norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` does on one device.
-
-    The norm is that of the whole model: the squared norms of every rank's shards are summed over
-    ``group`` (the world by default; each element lives on exactly one rank, padding is zero), so
-    every rank scales by the same factor. A collective: call it on every rank.
-    """
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    device = grads[0].device if grads else torch.device("cpu")
-    local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=device)
-    squared = local.float().pow(2)
-    dist.all_reduce(squared, group=group)
-    total = squared.sqrt()
-    if params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
-
-
-def sharded_parameter_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes this rank holds for parameters, their gradients and the optimizer state (read from
-    the tensors' storages, each counted once)."""
+def sharded_parameter_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+    """Bytes this rank holds for parameters, their gradients and the optimizer state (its local
+    shards, read from the storages, each counted once)."""
     seen: set[int] = set()
 
-    def nbytes(tensors) -> int:
+    def nbytes(tensors: Iterable[Any]) -> int:
         total = 0
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                total += t.untyped_storage().nbytes()
+            if isinstance(t, torch.Tensor):
+                storage = local_tensor(t).untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
         return total
 
     params = list(module.parameters())
@@ -280,3 +306,72 @@ def sharded_parameter_bytes(module: nn.Module, optimizer: torch.optim.Optimizer 
     if optimizer is not None:
         out["optimizer"] = nbytes(v for state in optimizer.state.values() for v in state.values())
     return out
+
+
+_PRECISION_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+#: DDPStrategy arguments that only configure the DDP wrapper, which the sharded mode does not use
+DDP_ONLY_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+
+
+def _dtype(value: Any, name: str) -> Optional[torch.dtype]:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"AutoSPStrategy({name}={value!r}): pass a floating-point torch dtype or its name ('bfloat16', 'float32', ...), or None.")
+    return dtype
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """The sharded mode's arguments, checked (``AutoSPStrategy(fsdp=..., param_dtype=...,
+    reduce_dtype=...)``).
+
+    ``mode`` is ``"full"`` (shard over every rank of the ``dp x sp`` world) or ``"hybrid"``
+    (shard over the ranks of a node, replicate across nodes: parameters are gathered over
+    intra-node links only). ``param_dtype=None`` follows the Trainer's precision: ``bf16-mixed``
+    gathers in bfloat16, ``16-mixed`` in float16, anything else in the parameters' own dtype.
+    ``reduce_dtype=None`` reduces gradients in float32 where parameters are gathered in a lower
+    precision.
+    """
+
+    mode: str
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+
+    @classmethod
+    def from_arguments(cls, fsdp: Any, param_dtype: Any = None, reduce_dtype: Any = None) -> Optional["FSDPConfig"]:
+        """``None`` for the replicated mode (``fsdp=False``); a ``ValueError`` naming the argument
+        for anything else that is not a mode."""
+        if fsdp is False or fsdp is None:
+            if param_dtype is not None or reduce_dtype is not None:
+                raise ValueError(
+                    "AutoSPStrategy(param_dtype=..., reduce_dtype=...) set the sharded mode's gather and reduce dtypes; "
+                    "with fsdp=False parameters are replicas (no gathers). Pass fsdp=True, or leave them unset and "
+                    "use the Trainer's precision."
+                )
+            return None
+        mode = "full" if fsdp is True else fsdp
+        if mode not in FSDP_MODES:
+            raise ValueError(
+                f"AutoSPStrategy(fsdp={fsdp!r}): pass True or 'full' (shard over every rank), 'hybrid' (shard within "
+                "a node, replicate across nodes) or False (a replica per rank)."
+            )
+        return cls(mode, _dtype(param_dtype, "param_dtype"), _dtype(reduce_dtype, "reduce_dtype"))
+
+    def policy(self, mesh: Any, precision: str) -> ShardingPolicy:
+        param_dtype = self.param_dtype if self.param_dtype is not None else _PRECISION_PARAM_DTYPES.get(str(precision))
+        reduce_dtype = self.reduce_dtype
+        if reduce_dtype is None and param_dtype is not None and param_dtype != torch.float32:
+            reduce_dtype = torch.float32
+        return ShardingPolicy(mesh, param_dtype, reduce_dtype)
+
+    def shard_groups(self, world_size: int, devices_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
+        """``(replicate groups, shard groups)`` of the ranks: with ``"hybrid"`` a shard group is a
+        node's ranks and a replicate group the ranks with one local rank; otherwise one shard
+        group of every rank (and a replicate group per rank)."""
+        per = devices_per_node if self.mode == "hybrid" else world_size
+        nodes = world_size // per
+        shard = [list(range(n * per, (n + 1) * per)) for n in range(nodes)]
+        replicate = [list(range(j, world_size, per)) for j in range(per)]
+        return replicate, shard

@@ -25,27 +25,23 @@ from lightning_autosp._compat import graph_break_counter
 from lightning_autosp.backend import AOT_BACKENDS, SUPPORTED_BACKENDS, AutoSPBackend, CompiledStep
 from lightning_autosp.batch_agreement import check_sp_batch_agreement
 from lightning_autosp.checkpoint import (
-    ShardedCheckpoint,
-    indexed_optimizer_state,
-    is_sharded_checkpoint,
-    load_sharded_module,
-    load_sharded_optimizer,
+    check_fits,
+    is_distributed_checkpoint,
+    load_distributed,
     named_optimizer_state,
-    open_checkpoint,
-    save_sharded,
-    sharded_param_names,
-    sharded_shapes,
-    sharded_state_dict,
+    optimizer_param_names,
+    save_distributed,
 )
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.fsdp import (
+    DDP_ONLY_ARGUMENTS,
+    FSDPConfig,
     broadcast_module,
-    clip_grad_norm_,
     has_meta_tensors,
     is_sharded,
     materialize_meta,
-    shard_parameters,
-    unshard_parameters,
+    shard_module,
+    unshard_module,
 )
 from lightning_autosp.layout import SPLayout, check_sequence_fits, validate_layout, validate_sp_size
 from lightning_autosp.passes.sac import SACConfig
@@ -94,19 +90,30 @@ class AutoSPStrategy(DDPStrategy):
             SAC leaves to it; ``1`` keeps its runtime-optimal choice, smaller values trade compute
             for memory (attention and collectives stay saved).
         seq_dim: the sequence dim of the batch's tensors (``[B, S]`` token ids: 1).
-        fsdp: shard parameters, gradients and optimizer state over every rank of the
-            ``dp x sp`` world (ZeRO-3 semantics, :mod:`lightning_autosp.fsdp`) instead of a DDP
-            replica per rank. The parameters are all-gathered inside the compiled step (with
-            ``sac=True`` gathered again in backward rather than saved) and their gradients
-            reduce-scattered; losses and parameters stay those of one device.
-            At the end of ``fit`` the module gets its full parameters back (gathered on every
-            rank), so ``trainer.validate``/``test`` and saving the model work as after DDP.
-            Gradient clipping by norm (``gradient_clip_val``, ``self.clip_gradients``) clips by
-            the norm of the whole model (:func:`lightning_autosp.fsdp.clip_grad_norm_`). Modules
-            built in ``configure_model`` or under ``Trainer.init_module()`` stay on the ``meta``
-            device until ``setup`` initialises them (see :meth:`tensor_init_context`).
-            Checkpoints saved during ``fit`` are directories with one file per rank
-            (:mod:`lightning_autosp.checkpoint`) that resume on any layout, sharded or not.
+        fsdp: shard parameters, gradients and optimizer state (ZeRO-3 semantics,
+            :mod:`lightning_autosp.fsdp`) instead of a DDP replica per rank: ``True`` or ``"full"``
+            over every rank of the ``dp x sp`` world, ``"hybrid"`` over the ranks of each node with
+            a replica per node (parameters gathered over intra-node links only). Every parameter
+            is a ``DTensor`` under the model's own name, with its global shape; its gradient and
+            the optimizer's elementwise state are DTensors too, so ``configure_optimizers``,
+            ``clip_grad_norm_`` / ``gradient_clip_val`` and norms see what they see on one
+            device. The parameters are all-gathered inside the compiled step (with ``sac=True``
+            gathered again in backward rather than saved) and their gradients
+            reduce-scattered; losses and parameters stay those of one device. At the end of
+            ``fit`` the module gets its full parameters back (gathered on every rank), so
+            ``trainer.validate``/``test`` and saving the model work as after DDP. Modules built in
+            ``configure_model`` or under ``Trainer.init_module()`` stay on the ``meta`` device
+            until ``setup`` initialises them (see :meth:`tensor_init_context`). Checkpoints saved
+            during ``fit`` are torch distributed checkpoint (DCP) directories
+            (:mod:`lightning_autosp.checkpoint`) that resume on any layout, sharded or not. The
+            DDP wrapper's own arguments (``ddp_comm_hook``, ``find_unused_parameters``, ...) are
+            refused with it.
+        param_dtype: with ``fsdp``, the dtype parameters are gathered and computed in; ``None``
+            follows ``Trainer(precision=...)`` (``"bf16-mixed"``: bfloat16, ``"16-mixed"``:
+            float16, otherwise their own dtype). The shards (and the optimizer) stay in their
+            own dtype (fp32 masters).
+        reduce_dtype: with ``fsdp``, the dtype gradients are reduce-scattered in; ``None``:
+            float32 where parameters are gathered in a lower precision.
         chunked_loss: compute ``cross_entropy(linear(hidden, W_vocab), labels)`` in chunks of
             tokens so the ``tokens x vocabulary`` logits are never live whole
             (:mod:`lightning_autosp.fused_loss`; same loss and gradients). ``True`` (default)
@@ -135,7 +142,9 @@ class AutoSPStrategy(DDPStrategy):
         sac_recompute: Sequence[str] = ("linear", "norm"),
         sac_memory_budget: float = 1.0,
         seq_dim: int = 1,
-        fsdp: bool = False,
+        fsdp: Union[bool, str] = False,
+        param_dtype: Optional[Union[str, torch.dtype]] = None,
+        reduce_dtype: Optional[Union[str, torch.dtype]] = None,
         chunked_loss: Union[bool, int] = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -163,6 +172,16 @@ class AutoSPStrategy(DDPStrategy):
                 f"({compile_backend!r} keeps autograd eager). Pass sac=False to compile with {compile_backend!r}, "
                 "or compile_backend='aot_eager' or 'inductor' to keep SAC."
             )
+        self._fsdp = FSDPConfig.from_arguments(fsdp, param_dtype, reduce_dtype)
+        if self._fsdp is not None:
+            given = dict(ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook, ddp_comm_wrapper=ddp_comm_wrapper, model_averaging_period=model_averaging_period)
+            ddp_only = [name for name in DDP_ONLY_ARGUMENTS if given[name] is not None] + sorted(kwargs)
+            if ddp_only:
+                raise ValueError(
+                    f"AutoSPStrategy(fsdp={fsdp!r}) does not use PyTorch's DistributedDataParallel, so its arguments "
+                    f"{ddp_only} would do nothing: the sharded mode reduce-scatters gradients inside the compiled step. "
+                    "Remove them, or pass fsdp=False to train DDP replicas."
+                )
         if not isinstance(seq_dim, int) or seq_dim < 1:
             raise ValueError(
                 f"AutoSPStrategy(seq_dim={seq_dim!r}): the sequence dim must be an int >= 1 (dim 0 is the batch)."
@@ -187,8 +206,6 @@ class AutoSPStrategy(DDPStrategy):
         self.sac = sac
         self.sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)
         self.seq_dim = seq_dim
-        if not isinstance(fsdp, bool):
-            raise ValueError(f"AutoSPStrategy(fsdp={fsdp!r}): pass True (sharded parameters) or False (a replica per rank).")
         self.fsdp = fsdp
         if not isinstance(chunked_loss, bool) and not (isinstance(chunked_loss, int) and chunked_loss > 0):
             raise ValueError(
@@ -202,8 +219,8 @@ class AutoSPStrategy(DDPStrategy):
         self._eager_calls: list[tuple[Any, str, Any]] = []
         self._marked: list[str] = []  # the batch dims the last step marked as sequence dims
         self._diverged: set[str] = set()  # steps whose SP ranks compiled different graphs (warned)
-        self._ckpt_source: Any = None  # the checkpoint being restored in the sharded mode
-        self._ckpt_loaded_from: Any = None
+        self._shard_mesh: Optional["DeviceMesh"] = None  # the mesh parameters are sharded over (fsdp)
+        self._restored_by_strategy = False  # the last load_checkpoint loaded model and optimizers itself
 
     @property
     def loss_chunk(self) -> Optional[int]:
@@ -287,11 +304,31 @@ class AutoSPStrategy(DDPStrategy):
             mesh=torch.arange(layout.world_size).view(layout.dp_size, layout.sp_size),  # [dp, sp]
             mesh_dim_names=("dp", "sp"),
         )
+        if self._fsdp is not None:
+            self._shard_mesh = self._build_shard_mesh(layout.world_size)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         rank_zero_info(
             f"AutoSP: {layout.world_size} processes as dp={layout.dp_size} x sp={layout.sp_size}; "
             f"SP groups {layout.all_sp_groups()}"
+        )
+
+    def _build_shard_mesh(self, world_size: int) -> "DeviceMesh":
+        """The mesh the sharded mode holds parameters on: the world (``"full"``) or
+        ``(replicate, shard)`` = ``(nodes, ranks per node)`` (``"hybrid"``)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        assert self._fsdp is not None
+        replicate, shard = self._fsdp.shard_groups(world_size, self.num_processes)
+        if self._fsdp.mode == "full":
+            return DeviceMesh.from_group(dist.group.WORLD, self.root_device.type, mesh_dim_names=("shard",))
+        shard_group, _ = dist.new_subgroups_by_enumeration(shard, timeout=self._timeout)
+        replicate_group, _ = dist.new_subgroups_by_enumeration(replicate, timeout=self._timeout)
+        return DeviceMesh.from_group(
+            [replicate_group, shard_group],
+            self.root_device.type,
+            mesh=torch.tensor(shard),  # [nodes, ranks per node]
+            mesh_dim_names=("replicate", "shard"),
         )
 
     @property
@@ -315,10 +352,10 @@ class AutoSPStrategy(DDPStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        """With ``fsdp=True``, modules built in ``configure_model`` or under ``Trainer.init_module()``
+        """With ``fsdp``, modules built in ``configure_model`` or under ``Trainer.init_module()``
         go to the ``meta`` device (no memory) unless ``empty_init=False``; ``setup`` gives them
         storage on the root device, runs the model's own initialisers and shards them."""
-        if not self.fsdp or empty_init is False:
+        if self._fsdp is None or empty_init is False:
             with super().tensor_init_context(empty_init):
                 yield
             return
@@ -328,115 +365,126 @@ class AutoSPStrategy(DDPStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if self.fsdp and has_meta_tensors(self.model):
+        if self._fsdp is not None and has_meta_tensors(self.model):
             n = materialize_meta(self.model, self.root_device)
             rank_zero_info(f"AutoSP: initialised {n} tensors of the model built on the meta device on {self.root_device}")
         super().model_to_device()
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if not self.fsdp:
+        if self._fsdp is None:
             return super()._setup_model(model)
+        assert self._shard_mesh is not None
         broadcast_module(model)  # rank 0's initial values everywhere, as DDP does
-        n = shard_parameters(model, dist.group.WORLD)
-        rank_zero_info(f"AutoSP: {n} parameters sharded over {self.world_size} ranks (fsdp=True)")
+        policy = self._fsdp.policy(self._shard_mesh, self.precision_plugin.precision)
+        n = shard_module(model, policy)
+        dtypes = f", gathered in {policy.param_dtype}, reduced in {policy.reduce_dtype}" if policy.param_dtype else ""
+        rank_zero_info(f"AutoSP: {n} parameters sharded as DTensors over {self._shard_mesh} (fsdp={self.fsdp!r}){dtypes}")
         return model
 
     @override
     def on_train_end(self) -> None:
-        """The module leaves ``fit`` as the user gave it: full parameters, its own names."""
+        """The module leaves ``fit`` as the user gave it: full parameters, its own classes."""
         super().on_train_end()
         module = self.lightning_module
-        if self.fsdp and module is not None and is_sharded(module):
-            unshard_parameters(module)
+        if self._fsdp is not None and module is not None and is_sharded(module):
+            unshard_module(module)
 
     @override
     def _register_ddp_hooks(self) -> None:
-        if not self.fsdp:
+        if self._fsdp is None:
             super()._register_ddp_hooks()
 
     # ------------------------------------------------------------------ checkpoints
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        # sharded: read each rank's slice into the shards, once they exist
-        return self.fsdp
+        # a distributed checkpoint is read into the module and the optimizers once they exist
+        # (sharded: as DTensors; replicated: DCP reads whole tensors)
+        return True
 
     def _sharded_now(self) -> bool:
-        return self.fsdp and self.lightning_module is not None and is_sharded(self.lightning_module)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Sharded: this rank's flat shard of every parameter, under the model's own names."""
-        if self._sharded_now():
-            return sharded_state_dict(self.lightning_module)
-        return super().lightning_module_state_dict()
+        return self._fsdp is not None and self.lightning_module is not None and is_sharded(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Sharded: the state of this rank's shards, keyed by parameter name (resharding on load
-        matches by name)."""
+        """Sharded: the optimizer's state keyed by parameter name, its tensors DTensors
+        (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``)."""
         if self._sharded_now():
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
             optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
-            return named_optimizer_state(optimizer, sharded_param_names(self.lightning_module))
+            return get_optimizer_state_dict(self.lightning_module, optimizer)
         return super().optimizer_state(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Sharded (``fsdp=True`` during ``fit``): a directory at ``filepath`` with one file per
-        rank (:mod:`lightning_autosp.checkpoint`); no rank gathers the model. Otherwise
+        """Sharded (``fsdp`` during ``fit``): a torch distributed checkpoint directory at
+        ``filepath`` (:mod:`lightning_autosp.checkpoint`); no rank gathers the model. Otherwise
         Lightning's single file, with the optimizer's parameter names added so that a sharded run
         can resume from it."""
         if self._sharded_now():
             if storage_options is not None:
-                raise TypeError("AutoSPStrategy(fsdp=True) writes sharded checkpoints itself: storage_options is not supported.")
-            save_sharded(
-                checkpoint, filepath, rank=self.global_rank, world=self.world_size,
-                shapes=sharded_shapes(self.lightning_module), barrier=self.barrier,
-            )
+                raise TypeError("AutoSPStrategy(fsdp=...) writes distributed checkpoints itself: storage_options is not supported.")
+            save_distributed(checkpoint, filepath, rank=self.global_rank, barrier=self.barrier)
             return
         if self.is_global_zero and self.lightning_module is not None and "optimizer_states" in checkpoint:
-            names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-            checkpoint["autosp"] = {
-                "optimizer_param_names": [[names.get(id(p), "?") for g in opt.param_groups for p in g["params"]] for opt in self.optimizers]
-            }
+            checkpoint["autosp"] = {"optimizer_param_names": optimizer_param_names(self.lightning_module, self.optimizers)}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """A sharded checkpoint (a directory) or a single file, into either mode, on any layout."""
-        self._ckpt_source, self._ckpt_loaded_from = None, checkpoint_path
-        sharded_dir = is_sharded_checkpoint(checkpoint_path)
-        if self._sharded_now():
-            loaded = None if sharded_dir else super().load_checkpoint(checkpoint_path, weights_only)
-            self._ckpt_source = open_checkpoint(checkpoint_path, loaded, sharded_shapes(self.lightning_module))
-            return dict(self._ckpt_source.meta)
-        if sharded_dir:
-            return ShardedCheckpoint(checkpoint_path).to_full()
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        """A distributed checkpoint (a directory) is read here, into the module and the
+        optimizers, sharded or replicated, on any layout; a single file as Lightning reads it
+        (into a sharded module by :meth:`load_model_state_dict`)."""
+        self._restored_by_strategy = False
+        if not is_distributed_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        module = self.lightning_module
+        assert module is not None
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        meta = load_distributed(checkpoint_path, module, optimizers, strict=module.strict_loading, weights_only=weights_only)
+        self._restored_by_strategy = True
+        if optimizers:
+            meta["optimizer_states"] = []  # restored above; Lightning checks the key is there
+        return meta
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._sharded_now() and self._ckpt_source is not None:
-            load_sharded_module(self.lightning_module, self._ckpt_source, self.global_rank, self.world_size, strict)
+        if self._restored_by_strategy:
+            return
+        if self._sharded_now():
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            check_fits(checkpoint["state_dict"], self.lightning_module.state_dict(), strict, self._ckpt_path())
+            set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=StateDictOptions(full_state_dict=True, strict=strict))
             return
         super().load_model_state_dict(checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._sharded_now() and self._ckpt_source is not None:
-            for i, optimizer in enumerate(self.optimizers):
-                load_sharded_optimizer(optimizer, i, self._ckpt_source, self.lightning_module, self.global_rank)
-            self._ckpt_source = None
+        if self._restored_by_strategy:
             return
-        states = checkpoint["optimizer_states"]
-        if any(g["params"] and isinstance(g["params"][0], str) for s in states for g in s["param_groups"]):
-            # saved sharded, resumed replicated: the state is keyed by parameter name
-            assert self.lightning_module is not None
-            names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-            where = str(self._ckpt_loaded_from or "the checkpoint")
-            checkpoint = {**checkpoint, "optimizer_states": [indexed_optimizer_state(s, opt, names, where) for s, opt in zip(states, self.optimizers)]}
-        super().load_optimizer_state_dict(checkpoint)
+        if not self._sharded_now():
+            return super().load_optimizer_state_dict(checkpoint)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        where = self._ckpt_path()
+        names = (checkpoint.get("autosp") or {}).get("optimizer_param_names")
+        if names is None:
+            raise AutoSPError(
+                f"{where} holds optimizer state by position only (it was not written by AutoSPStrategy), and a sharded "
+                "run needs it by parameter name. Resume it with fsdp=False, or load its weights into the module "
+                "before fit and start the optimizer afresh."
+            )
+        for i, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            named = named_optimizer_state(state, names[i], where)
+            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            set_optimizer_state_dict(self.lightning_module, optimizer, named, options=StateDictOptions(full_state_dict=True))
+
+    def _ckpt_path(self) -> str:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return str(getattr(trainer, "ckpt_path", None) or "the checkpoint")
 
     # ------------------------------------------------------------------ compile
     @override
@@ -457,21 +505,17 @@ class AutoSPStrategy(DDPStrategy):
         log.debug("AutoSP: compiled %s with backend %s", _COMPILED_STEPS, self.compile_backend)
         if not self._eager_calls:  # (as the steps: once until teardown)
             self._eager_calls = _keep_out_of_graphs(module)
-        if self.fsdp and "clip_gradients" not in module.__dict__:
-            # Lightning's clip_gradients (called by configure_gradient_clipping, the user's
-            # override and manual optimization alike) would take the norm of this rank's shards.
-            module.clip_gradients = _sharded_clip_gradients(module, self)
 
     @override
     def teardown(self) -> None:
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None)
-        if self.fsdp and module is not None and is_sharded(module) and trainer is not None and trainer.state.status == TrainerStatus.RUNNING:
+        if self._fsdp is not None and module is not None and is_sharded(module) and trainer is not None and trainer.state.status == TrainerStatus.RUNNING:
             # a fit that ran no epoch (resumed at max_steps) ends without on_train_end; not after
             # an exception, where a peer may never reach this collective
-            unshard_parameters(module)
+            unshard_module(module)
         if module is not None:
-            for name in (*_COMPILED_STEPS, "clip_gradients"):
+            for name in _COMPILED_STEPS:
                 module.__dict__.pop(name, None)
         for owner, name, before in reversed(self._eager_calls):
             if before is _ABSENT:
@@ -656,29 +700,6 @@ def _keep_out_of_graphs(module: "pl.LightningModule") -> list[tuple[Any, str, An
             replaced.append((owner, name, before))
             setattr(owner, name, torch.compiler.disable(getattr(owner, name), recursive=True))
     return replaced
-
-
-def _sharded_clip_gradients(module: "pl.LightningModule", strategy: AutoSPStrategy) -> Callable[..., None]:
-    """``module.clip_gradients`` for ``fsdp=True``: clipping by value is elementwise and stays
-    Lightning's; clipping by norm uses the norm of the whole model, summed over every rank."""
-    from lightning.pytorch.utilities import GradClipAlgorithmType
-
-    lightning_clip = type(module).clip_gradients.__get__(module)
-
-    def clip_gradients(optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        trainer = module.trainer
-        algorithm = (gradient_clip_algorithm or trainer.gradient_clip_algorithm or "norm").lower()
-        value = gradient_clip_val if gradient_clip_val is not None else trainer.gradient_clip_val or 0.0
-        if algorithm != GradClipAlgorithmType.NORM or value <= 0:
-            return lightning_clip(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        conflicts = (trainer.gradient_clip_val is not None and gradient_clip_val is not None and trainer.gradient_clip_val != gradient_clip_val) or (
-            trainer.gradient_clip_algorithm is not None and gradient_clip_algorithm is not None and trainer.gradient_clip_algorithm != algorithm
-        )
-        if conflicts:  # Lightning raises its error naming both
-            return lightning_clip(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        clip_grad_norm_(strategy.precision_plugin.main_params(optimizer), float(value))
-
-    return clip_gradients
 
 
 def _compiled_step(fn: Callable, backend: AutoSPBackend) -> Callable:

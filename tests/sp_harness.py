@@ -242,9 +242,18 @@ class Recorder(L.Callback):
         st = trainer.strategy
         if isinstance(st, AutoSPStrategy) and st.fsdp:  # a collective: every rank
             self.rec["initial"] = {k.removeprefix("model."): v for k, v in full_state_dict(pl_module).items()}
+        for optimizer in trainer.optimizers:  # the gradients' norm the optimizer stepped with (after clipping)
+            optimizer.register_step_post_hook(self._record_stepped_norm)
+
+    def _record_stepped_norm(self, optimizer, args, kwargs):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        self.rec.setdefault("stepped_norms", []).append(float(full_tensor(torch.nn.utils.get_total_norm(grads))))
+        # this rank's part of them alone (its shards: what a shard-local clip would use)
+        self.rec.setdefault("local_norms", []).append(float(torch.nn.utils.get_total_norm([local_tensor(g) for g in grads])))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.rec["grads"].append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
+        # a DTensor gradient (fsdp) whole: a collective, every rank records
+        self.rec["grads"].append({n: full_tensor(p.grad).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
 
     def on_train_end(self, trainer, pl_module):
         st = trainer.strategy
@@ -262,6 +271,18 @@ class Recorder(L.Callback):
                 saved = st.compiled_steps["training_step"].saved_activations
                 self.rec["saved_names"] = [t.name for r in saved for t in r.tensors]
         torch.save(self.rec, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def free_port() -> int:
@@ -391,8 +412,9 @@ def spawn(tmp_path: Path, fn: Callable, world: int, *args: Any) -> list[Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` forked gloo processes; return each result."""
     import torch.multiprocessing as mp
 
-    out = tmp_path / f"spawn_{fn.__name__}_{world}"
-    out.mkdir()
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix=f"spawn_{fn.__name__}_{world}_", dir=tmp_path))
     mp.start_processes(_spawn_entry, args=(world, free_port(), fn, str(out), args), nprocs=world, start_method="fork")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 

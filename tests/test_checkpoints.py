@@ -7,7 +7,7 @@ import pytest
 import torch
 from sp_harness import LMModule, TokenData, lm_loss, make_model, make_optimizer, rel_err, run_fit
 
-from lightning_autosp.checkpoint import ShardedCheckpoint
+from lightning_autosp.checkpoint import read_model_state_dict
 
 LR = 1e-2
 STEPS, SAVE_AT = 8, 3  # 4 batches per epoch: the checkpoint interrupts epoch 0
@@ -31,8 +31,8 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, fsdp):
     ckpt = ckpt_dir / f"epoch=0-step={SAVE_AT}.ckpt"
     assert sorted(p.name for p in ckpt_dir.iterdir()) == [ckpt.name, f"epoch=1-step={2 * SAVE_AT}.ckpt", "last.ckpt"]
     assert (ckpt_dir / "last.ckpt").resolve() == (ckpt_dir / f"epoch=1-step={2 * SAVE_AT}.ckpt").resolve()
-    if fsdp:  # a directory, one file per rank
-        assert sorted(p.name for p in ckpt.iterdir()) == ["meta.pt", "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
+    if fsdp:  # a torch distributed checkpoint directory: one file per rank, its index, Lightning's meta.pt
+        assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     resumed = run_fit(tmp_path, module(), data, 2, 2, steps=STEPS, ckpt_path=str(ckpt), fsdp=fsdp)
 
     loss_err = max(abs(g / w - 1) for a, b in zip(full.ranks, resumed.ranks) for g, w in zip(b["losses"], a["losses"][SAVE_AT:]))
@@ -49,9 +49,9 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, fsdp):
             assert rel_err(b["final"][key], want) <= 1e-6, key
 
     # negative control, on one device: the checkpoint's weights with a fresh AdamW
-    state = ShardedCheckpoint(ckpt).to_full() if fsdp else torch.load(ckpt, weights_only=False)
+    state = read_model_state_dict(ckpt) if fsdp else torch.load(ckpt, weights_only=False)["state_dict"]
     model = make_model("llama", 1)
-    model.load_state_dict({k.removeprefix("model."): v for k, v in state["state_dict"].items()})
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     opt = make_optimizer("adamw", model.parameters(), LR)
     fresh = []
     for batch in resumed.ranks[0]["batches"]:
@@ -68,30 +68,16 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, fsdp):
 
 def _state_now(trainer, module) -> dict:
     """The whole model and the whole AdamW state, by parameter name, gathered from the shards
-    (a collective) or read from the replica."""
-    import math
+    (a collective) or read from the replica, and this rank's part of each parameter."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
 
-    import torch.distributed as dist
-
-    from lightning_autosp.checkpoint import named_optimizer_state, sharded_param_names, sharded_shapes
-    from lightning_autosp.fsdp import full_state_dict, is_sharded
+    from lightning_autosp.fsdp import full_state_dict
 
     optimizer = trainer.optimizers[0]
-    if not is_sharded(module):
-        names = {id(p): n for n, p in module.named_parameters()}
-        return {"params": {k: v.clone() for k, v in module.state_dict().items()}, "state": named_optimizer_state(optimizer, names)["state"]}
-    shapes = sharded_shapes(module)
-    mine = named_optimizer_state(optimizer, sharded_param_names(module))["state"]
-    every = [None] * trainer.world_size
-    dist.all_gather_object(every, mine)
-    state = {
-        name: {
-            k: torch.cat([e[name][k] for e in every])[: math.prod(shapes[name])].view(shapes[name]) if v.dim() else v
-            for k, v in entry.items()
-        }
-        for name, entry in mine.items()
-    }
-    return {"params": full_state_dict(module), "state": state, "shards": {k: v.clone() for k, v in module.state_dict().items()}}
+    state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))["state"]
+    local = {k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in module.state_dict().items()}
+    return {"params": full_state_dict(module), "state": state, "local": local}
 
 
 class _StateAt(L.Callback):
@@ -118,10 +104,13 @@ class _AtTeardown(L.Callback):
         self.out = out
 
     def teardown(self, trainer, pl_module, stage):
+        from torch.distributed.tensor import DTensor
+
         from lightning_autosp.fsdp import is_sharded
 
         state = {k: v.clone() for k, v in pl_module.state_dict().items()}
-        torch.save({"sharded": is_sharded(pl_module), "params": state}, f"{self.out}/rank{trainer.global_rank}.pt")
+        dtensors = any(isinstance(v, DTensor) for v in state.values())
+        torch.save({"sharded": is_sharded(pl_module) or dtensors, "params": state}, f"{self.out}/rank{trainer.global_rank}.pt")
 
 
 class _ProbeAfterResume(LMModule):
@@ -154,7 +143,7 @@ def test_sharded_checkpoint_resumes_on_other_layouts(tmp_path):
     (tmp_path / "saved").mkdir()
     full = run_fit(tmp_path, LMModule(**kwargs), data, 4, 2, steps=4, callbacks=[save, _StateAt(tmp_path / "saved", step=2)], fsdp=True)
     ckpt = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["meta.pt"] + [f"shard-0000{r}-of-00004.pt" for r in range(4)]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)] + ["meta.pt"]
     saved = torch.load(tmp_path / "saved" / "rank0.pt", weights_only=False)
     assert {k for e in saved["state"].values() for k in e} == {"step", "exp_avg", "exp_avg_sq"}
 
@@ -204,82 +193,95 @@ def test_sharded_checkpoint_resumes_on_other_layouts(tmp_path):
         got = torch.load(tmp_path / "done" / f"rank{r}.pt", weights_only=False)
         assert not got["sharded"] and all(torch.equal(got["params"][k], v) for k, v in saved["params"].items())
 
-    # negative controls: the restore is what made them equal, and the layout matters
+    # negative controls: the restore is what made them equal, and the layout matters: rank 1 of
+    # 2 holds the second half of the rows, rank 1 of the saving 4 the second quarter
     fresh = make_model("llama", 1).state_dict()
     assert all(not torch.equal(fresh[k.removeprefix("model.")], v) for k, v in saved["params"].items() if "norm" not in k)
-    old = [torch.load(ckpt / f"shard-0000{r}-of-00004.pt", weights_only=True)["params"] for r in range(4)]
     key = "model.layers.0.attention.wq.weight"
-    half = saved["params"][key].numel() // 2
-    blind = old[1][key]  # rank 1 of 2 reading the file of its own rank number: the second quarter
-    assert not torch.equal(blind, saved["params"][key].reshape(-1)[half : half + blind.numel()])
-    assert torch.equal(torch.cat([old[2][key], old[3][key]]), saved["params"][key].reshape(-1)[half:])
+    rows = saved["params"][key].shape[0]
+    two = torch.load(tmp_path / "dp1xsp2" / "rank1.pt", weights_only=False)["local"][key]
+    assert torch.equal(two, saved["params"][key][rows // 2 :])
+    assert not torch.equal(saved["local"][key], saved["params"][key][rows // 2 : rows // 2 + rows // 4])  # rank 0 of 4: the first quarter
+    assert torch.equal(torch.load(tmp_path / "saved" / "rank1.pt", weights_only=False)["local"][key], saved["params"][key][rows // 4 : rows // 2])
+
+
+def _sharded(kind, seed):
+    """A model of ``kind`` with random values (seeded alike on every rank), sharded over the world."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_autosp.fsdp import ShardingPolicy, shard_module
+
+    model = make_model(kind, 1)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    shard_module(model, ShardingPolicy(DeviceMesh.from_group(dist.group.WORLD, "cpu")))
+    return model
 
 
 def _save_sharded_gpt(rank, world, path):
-    """GPT (tied head) sharded over ``world`` ranks with AdamW state, saved; then loaded back into
-    a fresh sharded GPT, and into a Llama (refused; its values stay)."""
+    """GPT (tied head) sharded over ``world`` ranks with AdamW state, saved as Trainer.save_checkpoint
+    builds it (twice: the second over the first); then loaded back into a fresh sharded GPT, and
+    into a Llama (refused; its values stay)."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from lightning_autosp import AutoSPError
-    from lightning_autosp.checkpoint import (
-        ShardedCheckpoint,
-        load_sharded_module,
-        load_sharded_optimizer,
-        named_optimizer_state,
-        save_sharded,
-        sharded_param_names,
-        sharded_shapes,
-        sharded_state_dict,
-    )
-    from lightning_autosp.fsdp import _sharded_entries, full_state_dict, shard_parameters
+    from lightning_autosp.checkpoint import load_distributed, save_distributed
+    from lightning_autosp.fsdp import full_state_dict
 
-    def sharded(kind, seed):
-        model = make_model(kind, 1)
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_()
-        shard_parameters(model, dist.group.WORLD)
-        return model
-
-    model = sharded("gpt", 0)
+    model = _sharded("gpt", 0)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    for _, mod, name in _sharded_entries(model):  # gradients as the reduce-scatter leaves them: zero padding
-        plist = mod.parametrizations[name]
-        if not plist[0].already_sharded:  # (the tied head's owner: the same shard)
-            plist.original.grad = plist[0].right_inverse(torch.randn(plist[0].shape))
+    model(torch.randint(0, 64, (2, 8))).square().mean().backward()
     opt.step()
-    checkpoint = {"epoch": 3, "state_dict": sharded_state_dict(model), "optimizer_states": [named_optimizer_state(opt, sharded_param_names(model))]}
-    save_sharded(checkpoint, path, rank=rank, world=world, shapes=sharded_shapes(model), barrier=lambda name: dist.barrier())
-    save_sharded(checkpoint, path, rank=rank, world=world, shapes=sharded_shapes(model), barrier=lambda name: dist.barrier())  # over itself
+    checkpoint = {"epoch": 3, "state_dict": model.state_dict(), "optimizer_states": [get_optimizer_state_dict(model, opt)]}
+    for _ in range(2):
+        save_distributed(checkpoint, path, rank=rank, barrier=lambda name: dist.barrier())
 
-    source = ShardedCheckpoint(path)
-    again = sharded("gpt", 1)
+    again = _sharded("gpt", 1)
     opt2 = torch.optim.AdamW(again.parameters(), lr=0.1)
-    load_sharded_module(again, source, rank, world)
-    load_sharded_optimizer(opt2, 0, source, again, rank)
-    same_shards = all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    meta = load_distributed(path, again, [opt2])
+    same_shards = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), again.parameters()))
     same_state = all(
-        torch.equal(opt.state[a][k], opt2.state[b][k]) for a, b in zip(model.parameters(), again.parameters()) for k in opt.state[a]
+        torch.equal(opt.state[a][k].to_local() if k != "step" else opt.state[a][k], opt2.state[b][k].to_local() if k != "step" else opt2.state[b][k])
+        for a, b in zip(model.parameters(), again.parameters()) for k in opt.state[a]
     )
-    llama = sharded("llama", 2)
-    before = [p.clone() for p in llama.parameters()]
+    llama = _sharded("llama", 2)
+    before = [p.to_local().clone() for p in llama.parameters()]
     try:
-        load_sharded_module(llama, source, rank, world)
+        load_distributed(path, llama, [])
         refused = None
     except AutoSPError as exc:
         refused = str(exc)
-    untouched = all(torch.equal(a, b) for a, b in zip(before, llama.parameters()))
+    untouched = all(torch.equal(a, b.to_local()) for a, b in zip(before, llama.parameters()))
     return {"full": full_state_dict(model), "same_shards": same_shards, "same_state": same_state, "refused": refused, "untouched": untouched,
-            "tied": again.head.parametrizations.weight.original is again.wte.parametrizations.weight.original}
+            "tied": again.head._parameters["weight"] is again.wte._parameters["weight"], "meta": meta}
+
+
+def _load_damaged(rank, world, path):
+    from lightning_autosp import AutoSPError
+    from lightning_autosp.checkpoint import load_distributed
+
+    model = _sharded("gpt", 1)
+    before = [p.to_local().clone() for p in model.parameters()]
+    try:
+        load_distributed(path, model, [])
+        error = None
+    except AutoSPError as exc:
+        error = str(exc)
+    return {"error": error, "untouched": all(torch.equal(a, b.to_local()) for a, b in zip(before, model.parameters()))}
 
 
 def test_sharded_checkpoint_files_and_bad_input(tmp_path):
-    """3 ranks (every GPT parameter padded), AdamW state: the directory holds one shard file per
-    rank plus the index; a fresh sharded model reads back the same shards, ties and optimizer
-    state; any element range reads as the flat padded tensor (what another layout loads); the
-    full view equals the gathered model. Bad input names the file and changes nothing: a model
-    that does not fit, a missing shard, a truncated shard, a save that never finished."""
+    """3 ranks (GPT's rows do not divide by 3), AdamW state: the directory is a torch distributed
+    checkpoint (one file per rank and its index) plus Lightning's meta.pt; a fresh sharded model
+    reads back the same shards, ties and optimizer state; DCP's own reader sees the whole model.
+    Bad input names the file and changes nothing: a model that does not fit, a truncated shard
+    file, a missing one, a save that never finished."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     from sp_harness import spawn
 
     from lightning_autosp import AutoSPError
@@ -287,53 +289,53 @@ def test_sharded_checkpoint_files_and_bad_input(tmp_path):
     path = tmp_path / "last.ckpt"
     results = spawn(tmp_path, _save_sharded_gpt, 3, str(path))
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("last")) == ["last.ckpt"]  # no .partial left
-    assert sorted(p.name for p in path.iterdir()) == ["meta.pt"] + [f"shard-0000{r}-of-00003.pt" for r in range(3)]
+    assert sorted(p.name for p in path.iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in range(3)] + ["meta.pt"]
     for r in results:
-        assert r["same_shards"] and r["same_state"] and r["tied"]
+        assert r["same_shards"] and r["same_state"] and r["tied"] and r["meta"] == {"epoch": 3}
         assert r["refused"] is not None and str(path) in r["refused"] and "does not fit this model" in r["refused"]
         assert r["untouched"]
-    source = ShardedCheckpoint(path)
     full = results[0]["full"]
-    for key, want in full.items():
-        assert torch.equal(source.full(key), want), key
-        flat = torch.cat([want.reshape(-1), want.new_zeros(4)])
-        chunk = -(-want.numel() // 2)  # what rank 1 of a 2-rank layout reads
-        assert torch.equal(source.read(key, chunk, 2 * chunk), flat[chunk : 2 * chunk]), key
-    assert any(v.numel() % 3 for v in full.values())  # padding was exercised
-    whole = source.to_full()
-    assert whole["epoch"] == 3 and set(whole["optimizer_states"][0]["state"]["wte.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert any(v.shape[0] % 3 for v in full.values())  # uneven shards exercised
+    dcp_to_torch_save(path, tmp_path / "whole.pt")  # another DCP reader: torch's own conversion
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert sorted(whole["state_dict"]) == sorted(full) and all(torch.equal(whole["state_dict"][k], v) for k, v in full.items())
+    assert set(whole["optimizer_0"]["state"]["wte.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
 
-    shard1 = path / "shard-00001-of-00003.pt"
+    shard1 = path / "__1_0.distcp"
     data = shard1.read_bytes()
-    shard1.write_bytes(data[: len(data) // 2])
-    with pytest.raises(AutoSPError, match=r"cannot read .*shard-00001-of-00003\.pt.*damaged or truncated"):
-        ShardedCheckpoint(path).full("wte.weight")
+    shard1.write_bytes(data[: len(data) // 10])  # the model's tensors come first in it
+    for r in spawn(tmp_path, _load_damaged, 3, str(path)):
+        assert r["error"] is not None and "cannot read the model from" in r["error"] and str(path) in r["error"] and r["untouched"], r
     shard1.unlink()
-    with pytest.raises(AutoSPError, match=r"incomplete: shard-00001-of-00003\.pt missing"):
-        ShardedCheckpoint(path)
+    for r in spawn(tmp_path, _load_damaged, 3, str(path)):
+        assert r["error"] is not None and str(path) in r["error"] and r["untouched"], r
     (path / "meta.pt").rename(tmp_path / "meta.pt")
-    with pytest.raises(AutoSPError, match=r"not a complete AutoSP checkpoint.*meta\.pt is missing"):
-        ShardedCheckpoint(path)
+    with pytest.raises(AutoSPError, match=r"not a complete AutoSP checkpoint: meta\.pt missing"):
+        read_model_state_dict(path)
+    partial = tmp_path / "next.ckpt.partial"
+    partial.mkdir()
+    with pytest.raises(AutoSPError, match=r"next\.ckpt\.partial is not a complete AutoSP checkpoint \(a save that did not finish\)"):
+        read_model_state_dict(partial)
 
 
 def _save_sharded_hf(rank, world, path):
     """A small HF Llama held as ``self.model`` (as a LightningModule holds it), compiled
-    (``_orig_mod.``) and sharded, saved as a sharded checkpoint; returns its full weights."""
+    (``_orig_mod.``) and sharded, saved as a distributed checkpoint; returns its full weights."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
     from test_any_model import hf_model
 
-    from lightning_autosp.checkpoint import save_sharded, sharded_shapes, sharded_state_dict
-    from lightning_autosp.fsdp import full_state_dict, shard_parameters
+    from lightning_autosp.checkpoint import save_distributed
+    from lightning_autosp.fsdp import ShardingPolicy, full_state_dict, shard_module
 
     holder = torch.nn.Module()
     holder.model = hf_model("llama", 1)()
     with torch.no_grad():  # trained weights, not the init: every tensor different
         for p in holder.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    shard_parameters(holder, dist.group.WORLD)
-    state = {k.replace("model.", "model._orig_mod.", 1): v for k, v in sharded_state_dict(holder).items()}
-    shapes = {k.replace("model.", "model._orig_mod.", 1): v for k, v in sharded_shapes(holder).items()}
-    save_sharded({"state_dict": state}, path, rank=rank, world=world, shapes=shapes, barrier=lambda name: dist.barrier())
+    shard_module(holder, ShardingPolicy(DeviceMesh.from_group(dist.group.WORLD, "cpu")))
+    state = {k.replace("model.", "model._orig_mod.", 1): v for k, v in holder.state_dict().items()}
+    save_distributed({"state_dict": state}, path, rank=rank, barrier=lambda name: dist.barrier())
     return {k.removeprefix("model."): v for k, v in full_state_dict(holder).items()}
 
 
@@ -362,7 +364,7 @@ def test_export_to_one_file_and_to_hugging_face(tmp_path):
 
     main([str(ckpt), str(tmp_path / "model.pt")])
     one_file = torch.load(tmp_path / "model.pt", weights_only=True)
-    assert sorted(one_file) == sorted(trained)  # own names: no model., _orig_mod., parametrizations
+    assert sorted(one_file) == sorted(trained)  # own names: no model., _orig_mod.
     model = hf_model("llama", 1)()
     assert (model(input_ids=ids).logits - want).abs().max() > 1e-2  # negative control: init weights
     model.load_state_dict(one_file)  # strict

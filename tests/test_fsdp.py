@@ -25,17 +25,6 @@ CLIP = 0.05  # below the tiny GPT's gradient norms at every step (asserted), so 
 ZERO_GRAD = 1e-8  # a one-device gradient below this at every step is rounding noise of a zero
 
 
-def _shard_of(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    flat = full.reshape(-1)
-    chunk = -(-flat.numel() // world)
-    return torch.cat([flat, flat.new_zeros(chunk * world - flat.numel())])[rank * chunk : (rank + 1) * chunk]
-
-
-def _param_name(sharded: str) -> str:
-    """``model.head.parametrizations.weight.original`` -> ``head.weight``."""
-    return sharded.removeprefix("model.").replace(".parametrizations.", ".").removesuffix(".original")
-
-
 def _check_initialised_from_meta(run, kind):
     """The module was built on the meta device; setup gave it the model's own initialisation:
     the root's ``reset_parameters`` (normal(0, init_std), norms at one, the RoPE table) won over
@@ -60,9 +49,9 @@ def _errors(run, sp_size, ref_losses, ref_grads, ref_final):
         for got, want in zip(rec["losses"], ref_losses):
             loss_err = max(loss_err, abs(got - want[r // sp_size]) / abs(want[r // sp_size]))
         first = rec["grads"][0]
-        assert sorted(_param_name(n) for n in first) == sorted(ref_grads[0]), "shard gradients missing"
+        assert sorted(n.removeprefix("model.") for n in first) == sorted(ref_grads[0]), "gradients missing"
         for name, g in first.items():
-            grad_err = max(grad_err, rel_err(g, _shard_of(ref_grads[0][_param_name(name)], r, run.world)))
+            grad_err = max(grad_err, rel_err(g, ref_grads[0][name.removeprefix("model.")]))
         assert sorted(rec["final"]) == sorted(ref_final)  # the model's own key names
         for key, value in rec["final"].items():
             want = ref_final[key]
@@ -93,16 +82,18 @@ def test_sharded_matches_single_device(tmp_path, kind, devices, sp_size, clip, i
     kwargs = dict(lr=LR, optimizer="adamw", initial=initial, clip=clip, layers=1)
     ref_losses, ref_grads = reference(kind, run, sp_size, final=final, norms=norms, **kwargs)
     loss_err, grad_err, param_err = _errors(run, sp_size, ref_losses, ref_grads, final)
-    print(f"fsdp {kind} devices={devices} sp={sp_size}: loss {loss_err:.2e}, shard grads {grad_err:.2e}, params {param_err:.2e}")
+    print(f"fsdp {kind} devices={devices} sp={sp_size}: loss {loss_err:.2e}, grads {grad_err:.2e}, params {param_err:.2e}")
     assert loss_err <= TOL and grad_err <= TOL and param_err <= TOL
     if clip is not None:
-        # clipping acted, and by the whole model's norm: one rank's shards have another norm, so
-        # clipping by it (what Lightning's clip_gradients does on a shard) would scale otherwise
-        print(f"  total gradient norms {norms} (clipped to {clip})")
+        # clipping acted (Lightning's own path: torch's clip_grad_norm_ on the DTensor gradients),
+        # and by the whole model's norm: the gradients the optimizer stepped with have norm `clip`.
+        # Negative control: one rank's shards alone have another norm, so clipping by it would
+        # leave another norm (Adam's scale invariance would hide it in the parameters)
+        print(f"  total gradient norms {norms} (clipped to {clip}); stepped with {run.ranks[0]['stepped_norms']}")
         assert all(n > 1.5 * clip for n in norms)
         for rec in run.ranks:
-            local = [sum(g.double().pow(2).sum() for g in step.values()).sqrt().item() for step in rec["grads"]]
-            assert all(abs(loc - n) / n > 0.1 for loc, n in zip(local, norms)), (local, norms)
+            assert all(abs(n / clip - 1) < 1e-5 for n in rec["stepped_norms"]), rec["stepped_norms"]
+            assert all(abs(loc / clip - 1) > 0.1 for loc in rec["local_norms"]), rec["local_norms"]
     graphs = run.ranks[0]["graphs"]["training_step"]
     assert sum(g.sdpa for g in graphs) == 1 and all(not g.fallbacks for g in graphs)
     # SAC gathers the parameters again in backward rather than saving full weights (before it
@@ -134,45 +125,64 @@ def test_sharded_hugging_face_llama_matches_single_device(tmp_path):
     final: dict = {}
     ref_losses, ref_grads = reference_fn(factory, hf_loss, run, 2, lr=LR, optimizer="adamw", final=final)
     loss_err, grad_err, param_err = _errors(run, 2, ref_losses, ref_grads, final)
-    print(f"fsdp HF llama sp=2: loss {loss_err:.2e}, shard grads {grad_err:.2e}, params {param_err:.2e}")
+    print(f"fsdp HF llama sp=2: loss {loss_err:.2e}, grads {grad_err:.2e}, params {param_err:.2e}")
     assert loss_err <= TOL and grad_err <= TOL and param_err <= TOL
 
 
 def _shard_roundtrip(rank, world):
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
-    from lightning_autosp.fsdp import full_state_dict, is_sharded, shard_parameters, unshard_parameters
+    from lightning_autosp.fsdp import ShardingPolicy, full_state_dict, is_sharded, shard_module, unshard_module
 
     model = make_model("gpt")  # its output head is tied to the token embedding
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    names = [n for n, _ in model.named_parameters()]
-    shard_parameters(model, dist.group.WORLD)
-    shards = {n: p.numel() for n, p in model.named_parameters()}
+    params = {n: (tuple(p.shape), p.dim()) for n, p in model.named_parameters()}
+    classes = [type(m) for m in model.modules()]
+    shard_module(model, ShardingPolicy(DeviceMesh.from_group(dist.group.WORLD, "cpu")))
+    sharded = {n: (tuple(p.shape), p.dim()) for n, p in model.named_parameters()}
+    local = {n: p.to_local().numel() for n, p in model.named_parameters()}
+    dtensors = all(isinstance(p, DTensor) for p in model.parameters())
+    tied_sharded = model.head._parameters["weight"] is model.wte._parameters["weight"]
+    read = model.head.weight  # what forward reads: the gathered weight, a plain tensor
     gathered = full_state_dict(model)
-    unshard_parameters(model)
+    unshard_module(model)
     return {
-        "shards": shards, "gathered_equal": sorted(gathered) == sorted(before) and all(torch.equal(gathered[k], before[k]) for k in before),
-        "names_back": [n for n, _ in model.named_parameters()] == names, "sharded_after": is_sharded(model),
-        "tied_after": model.head.weight is model.wte.weight,
+        "same_params": sharded == params, "dtensors": dtensors, "local": local, "tied_sharded": tied_sharded,
+        "read": (type(read).__name__, tuple(read.shape), torch.equal(read, before["head.weight"])),
+        "gathered_equal": sorted(gathered) == sorted(before) and all(torch.equal(gathered[k], before[k]) for k in before),
+        "names_back": {n: (tuple(p.shape), p.dim()) for n, p in model.named_parameters()} == params, "sharded_after": is_sharded(model),
+        "tied_after": model.head.weight is model.wte.weight, "classes_back": [type(m) for m in model.modules()] == classes,
         "equal_after": all(torch.equal(model.state_dict()[k], before[k]) for k in before),
+        "plain_after": not any(isinstance(p, DTensor) for p in model.parameters()),
     }
 
 
 def test_shard_and_unshard_round_trip(tmp_path):
-    """What fit does to the module and gives back at its end (``on_train_end``): the same
-    parameters, names and ties; while sharded each rank holds a 1/world slice."""
-    results = spawn(tmp_path, _shard_roundtrip, 2)
-    total = sum(p.numel() for p in make_model("gpt").parameters())
-    for r in results:
-        assert sum(r["shards"].values()) <= total // 2 + 2 * len(r["shards"])  # + padding
-        assert r["gathered_equal"] and r["names_back"] and r["tied_after"] and r["equal_after"]
+    """What fit does to the module and gives back at its end (``on_train_end``). While sharded:
+    the model's own parameter names, shapes and dims, each a DTensor of which a rank holds 1/world
+    of the rows (3 ranks: the rows do not divide, the last ranks hold fewer), the tied head one
+    parameter with the embedding, and reading ``head.weight`` in forward gives the full weight.
+    After: the same parameters, names, ties and classes, plain tensors again."""
+    results = spawn(tmp_path, _shard_roundtrip, 3)
+    model = make_model("gpt")
+    for rank, r in enumerate(results):
+        assert r["same_params"] and r["dtensors"] and r["tied_sharded"]
+        assert r["read"] == ("Tensor", (64, 32), True)
+        for name, p in model.named_parameters():
+            rows = p.shape[0]
+            assert r["local"][name] == len(range(rows)[rank * -(-rows // 3) : (rank + 1) * -(-rows // 3)]) * p[0].numel(), name
+        assert r["gathered_equal"] and r["names_back"] and r["tied_after"] and r["equal_after"] and r["classes_back"] and r["plain_after"]
         assert not r["sharded_after"]
+    assert sum(r["local"]["blocks.0.attn.qkv.bias"] for r in results) == 96 and results[2]["local"]["blocks.0.attn.qkv.bias"] == 32
+    assert any(p.shape[0] % 3 for p in model.parameters())  # uneven shards exercised
 
 
 def test_fsdp_argument_is_checked():
     from lightning_autosp import AutoSPStrategy
 
-    with pytest.raises(ValueError, match=r"fsdp='yes'"):
+    with pytest.raises(ValueError, match=r"fsdp='yes'.*True or 'full'.*'hybrid'.*False"):
         AutoSPStrategy(fsdp="yes")
 
 

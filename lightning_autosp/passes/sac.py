@@ -140,17 +140,13 @@ def repeat_of_exchange(node: fx.Node) -> list[fx.Node]:
 
 
 def parameter_gathers(joint: fx.GraphModule, fwd: set[fx.Node]) -> list[fx.Node]:
-    """The forward all-gathers of a graph input seen through views (``fsdp=True``'s parameter
-    shards), with their waits and the views of the gathered value: what SAC recomputes in
-    backward instead of saving a full weight per layer."""
+    """The forward all-gathers of a graph input (``fsdp``'s parameter shards, seen through
+    views, a dtype cast or the padding of an uneven shard: :func:`gathered_input`), with their
+    waits and the views of the gathered value: what SAC recomputes in backward instead of
+    saving a full weight per layer."""
     out: list[fx.Node] = []
     for node in joint.graph.nodes:
-        if node not in fwd or _op_name(node) not in _GATHERS:
-            continue
-        src = node.args[0]
-        while isinstance(src, fx.Node) and _is_view(src):
-            src = src.args[0]
-        if not (isinstance(src, fx.Node) and src.op == "placeholder"):
+        if node not in fwd or gathered_input(node) is None:
             continue
         todo = [node]
         while todo:
@@ -158,6 +154,22 @@ def parameter_gathers(joint: fx.GraphModule, fwd: set[fx.Node]) -> list[fx.Node]
             out.append(n)
             todo.extend(u for u in n.users if u in fwd and (_is_view(u) or _op_name(u) == _WAIT))
     return out
+
+
+#: what may stand between a parameter shard and its all-gather: a cast to ``param_dtype``, the
+#: padding of an uneven shard to the common size
+_SHARD_PREP = frozenset({"_to_copy", "convert_element_type", "constant_pad_nd", "contiguous", "clone"})
+
+
+def gathered_input(node: fx.Node) -> Optional[fx.Node]:
+    """If ``node`` is an all-gather of a graph input (through views and :data:`_SHARD_PREP`
+    ops), that input (a placeholder); otherwise ``None``."""
+    if _op_name(node) not in _GATHERS:
+        return None
+    src = node.args[0]
+    while isinstance(src, fx.Node) and src.op == "call_function" and (_is_view(src) or (_op_name(src) or "").rpartition("::")[2].split(".")[0] in _SHARD_PREP):
+        src = src.args[0]
+    return src if isinstance(src, fx.Node) and src.op == "placeholder" else None
 
 
 # the functional all-gather (the autograd variant traces to the plain one) and its wait
