@@ -111,3 +111,18 @@ def all_gather_autograd(tensor: torch.Tensor, gather_dim: int, group_name: str) 
 
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
     return gather(tensor, gather_dim, group_name)
+
+
+def merge_collective_buckets(gm: fx.GraphModule, gather_buckets: list, scatter_buckets: list) -> None:
+    """Merge each bucket of functional all-gathers (reduce-scatters) of ``gm`` into one, with
+    torch's FX bucketing (``torch._inductor.fx_passes.bucketing``, the passes behind inductor's
+    ``bucket_all_gathers_fx``), in place."""
+    from torch._inductor.fx_passes.bucketing import merge_all_gather, merge_reduce_scatter
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    if gather_buckets:
+        merge_all_gather(gm, gather_buckets)
+    if scatter_buckets:
+        merge_reduce_scatter(gm, scatter_buckets)
+    # a merged collective sits where the bucket's last one was: move the earlier ones' users after it
+    stable_topological_sort(gm.graph)

@@ -12,11 +12,13 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from lightning_autosp._gc import full_collections_deferred
 from lightning_autosp.local_shapes import LocalShapeCompiled, LocalShapes, add_chunk_input, build_local_shapes
 from lightning_autosp.memory.accounting import SavedActivations, empty_by_kind
 from lightning_autosp.passes import SPPassStats, sequence_parallel_pass
+from lightning_autosp.passes.bucketing import BucketStats, bucket_parameter_collectives_pass
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner
 
 __all__ = ["AutoSPBackend", "CompiledStep", "SUPPORTED_BACKENDS", "AOT_BACKENDS"]
@@ -122,7 +124,13 @@ class AutoSPBackend:
     #: KV heads the model repeats reach attention unrepeated with ``enable_gqa`` (``None``: on CPU;
     #: see :func:`~lightning_autosp.passes.sequence_parallel_pass`)
     native_gqa: Optional[bool] = None
+    #: merge the sharded mode's parameter all-gathers and reduce-scatters per transformer block
+    #: in the partitioned graphs (:mod:`lightning_autosp.passes.bucketing`)
+    bucket_collectives: bool = True
     pass_stats: list[SPPassStats] = field(default_factory=list)
+    #: per forward and backward graph compiled with an AOT backend: the parameter collectives
+    #: before and after bucketing
+    bucket_stats: list[BucketStats] = field(default_factory=list, repr=False)
     saved_activations: list[SavedActivations] = field(default_factory=list, repr=False)
     #: seconds spent so far in AutoSP's own compile steps: ``"sp_pass"`` (the SP pass) and
     #: ``"partition"`` (SAC tagging, the min-cut partition and its checks, the records)
@@ -203,17 +211,24 @@ class AutoSPBackend:
         return LocalShapeCompiled(compile_one, local, values, gm.meta["autosp"].seq_symbol, on_call)
 
     def _compile_aot(self, gm: fx.GraphModule, example_inputs: list[Any], partitioner: SACPartitioner) -> Callable:
+        bucketing = _BucketPass(self.bucket_stats) if self.bucket_collectives else None
         if self.backend == "aot_eager":
-            # torch's aot_eager, with our partition function
-            return aot_autograd(
-                fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partitioner, keep_inference_input_mutations=True
-            )(gm, example_inputs)
+            # torch's aot_eager, with our partition function (and bucketing of the graphs it makes)
+            def nop(graph: fx.GraphModule, inputs: list[Any]) -> Callable:
+                if bucketing is not None:
+                    bucketing(graph.graph)
+                return boxed_nop(graph, inputs)
+
+            return aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partitioner, keep_inference_input_mutations=True)(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
 
         # The AOT autograd cache would skip partitioning (and so our records) on a hit; inductor's
         # FX graph cache still serves the compiled kernels.
+        patches: dict[str, Any] = {"custom_partitioner_fn": partitioner}
+        if bucketing is not None:
+            patches["post_grad_custom_post_pass"] = bucketing
         with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+            return compile_fx(gm, example_inputs, config_patches=patches)
 
     def compiled_step(self) -> CompiledStep:
         """A snapshot of what this backend compiled so far (copies: later calls leave it alone)."""
@@ -236,6 +251,25 @@ class AutoSPBackend:
     @property
     def max_shift(self) -> int:
         return max((g.max_shift for g in self.pass_stats), default=0)
+
+
+class _BucketPass(CustomGraphPass):
+    """:func:`~lightning_autosp.passes.bucketing.bucket_parameter_collectives_pass` on each
+    partitioned graph (inductor's ``post_grad_custom_post_pass``, or before aot_eager runs it);
+    appends each graph's :class:`BucketStats` to ``stats``."""
+
+    def __init__(self, stats: list[BucketStats]) -> None:
+        self.stats = stats
+
+    def __call__(self, graph: fx.Graph) -> None:
+        stats = BucketStats()
+        bucket_parameter_collectives_pass(graph.owning_module, stats)
+        self.stats.append(stats)
+
+    def uuid(self) -> Any:
+        from lightning_autosp.passes import bucketing
+
+        return get_hash_for_files((bucketing.__file__,))
 
 
 def _example_values(gm: fx.GraphModule) -> list[Any]:

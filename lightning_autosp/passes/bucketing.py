@@ -1,0 +1,130 @@
+"""Per-block buckets for the sharded mode's parameter collectives (``AutoSPStrategy(fsdp=...)``).
+
+Each parameter of the sharded mode is all-gathered where forward reads it (and, with SAC, again
+in backward) and its gradient reduce-scattered: one collective per parameter, tens per block.
+This pass runs on the forward and the backward graph after the partition and merges them per
+transformer block, with torch's own FX bucketing (``merge_all_gather`` /
+``merge_reduce_scatter``, the passes behind inductor's ``bucket_all_gathers_fx``): one gather
+per block in forward, one per block in backward, one reduce-scatter per block.
+
+A block is read off the module the collective came from (Dynamo's ``nn_module_stack``, or
+``fwd_nn_module_stack`` for backward nodes): the path up to its last list index
+(``model.layers.3.attention.wq`` -> ``model.layers.3``); parameters outside any numbered list
+(embeddings, the final norm, the head) form groups of their own. Only collectives that follow
+each other in the graph with the same block (and group and dtype) are merged, never the whole
+model: the working set stays one block of gathered weights (two while the next block's gather
+is in flight), where torch's default size cap (2000 MB) would gather a small model up front.
+
+Postcondition: every all-gather of a graph input and every reduce-scatter is in the bucket of
+its run; the graph lints.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from lightning_autosp.passes.sac import gathered_input
+
+__all__ = ["BucketStats", "block_of", "parameter_collective_buckets", "bucket_parameter_collectives_pass"]
+
+log = logging.getLogger(__name__)
+
+_REDUCE_SCATTER = "_c10d_functional::reduce_scatter_tensor"
+_INDEX = re.compile(r"(?:\.(\d+)|\[(\d+)\])(?=\.|\[|$)")
+
+
+@dataclass
+class BucketStats:
+    """What :func:`bucket_parameter_collectives_pass` did to one graph."""
+
+    all_gathers: int = 0  # parameter all-gathers before bucketing
+    gather_buckets: int = 0  # ... and after
+    reduce_scatters: int = 0
+    scatter_buckets: int = 0
+
+
+def _module_path(node: fx.Node) -> Optional[str]:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1]
+    return path[0] if isinstance(path, tuple) else str(path)
+
+
+def block_of(node: fx.Node) -> Optional[str]:
+    """The transformer block a collective belongs to: its module's path up to the last list
+    index (``L['self'].model.layers.3.attention.wq`` -> ``L['self'].model.layers.3``), or
+    ``None`` outside any numbered list (or without module information)."""
+    path = _module_path(node)
+    if path is None:
+        return None
+    last = None
+    for match in _INDEX.finditer(path):
+        last = match
+    return path[: last.end()] if last is not None else None
+
+
+def _op_name(node: fx.Node) -> Optional[str]:
+    target = node.target
+    return f"{target.namespace}::{target._opname}" if isinstance(target, torch._ops.OpOverload) else None
+
+
+def _runs(nodes: list[fx.Node], key: Callable[[fx.Node], Any]) -> list[list[fx.Node]]:
+    """Maximal runs of consecutive ``nodes`` with the same key; runs of two or more."""
+    runs: list[list[fx.Node]] = []
+    last: Any = object()
+    for node in nodes:
+        k = key(node)
+        if runs and k == last:
+            runs[-1].append(node)
+        else:
+            runs.append([node])
+        last = k
+    return [r for r in runs if len(r) > 1]
+
+
+def _dtype(node: fx.Node) -> Any:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def parameter_collective_buckets(gm: fx.GraphModule) -> tuple[list[list[fx.Node]], list[list[fx.Node]]]:
+    """``(all-gather buckets, reduce-scatter buckets)`` of ``gm``: runs of parameter all-gathers
+    and of reduce-scatters with the same block, process group and dtype, in graph order."""
+    gathers, scatters = [], []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if gathered_input(node) is not None and len(node.users) == 1:
+            gathers.append(node)
+        elif _op_name(node) == _REDUCE_SCATTER and len(node.users) == 1:
+            scatters.append(node)
+    gather_key = lambda n: (block_of(n), n.args[2], _dtype(n))  # noqa: E731  (input, group_size, group_name)
+    scatter_key = lambda n: (block_of(n), n.args[1], n.args[3], _dtype(n))  # noqa: E731  (input, op, group_size, group_name)
+    return _runs(gathers, gather_key), _runs(scatters, scatter_key)
+
+
+def bucket_parameter_collectives_pass(gm: fx.GraphModule, stats: Optional[BucketStats] = None) -> fx.GraphModule:
+    """Merge the parameter all-gathers and reduce-scatters of ``gm`` per block (in place; see
+    the module docstring). ``stats``, if given, receives the counts before and after."""
+    from lightning_autosp._compat import merge_collective_buckets
+
+    gather_buckets, scatter_buckets = parameter_collective_buckets(gm)
+    if stats is not None:
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+        stats.all_gathers = sum(gathered_input(n) is not None for n in nodes)
+        stats.reduce_scatters = sum(_op_name(n) == _REDUCE_SCATTER for n in nodes)
+        stats.gather_buckets = stats.all_gathers - sum(len(b) - 1 for b in gather_buckets)
+        stats.scatter_buckets = stats.reduce_scatters - sum(len(b) - 1 for b in scatter_buckets)
+    if gather_buckets or scatter_buckets:
+        merge_collective_buckets(gm, gather_buckets, scatter_buckets)
+        gm.graph.lint()
+        gm.recompile()
+    log.debug("AutoSP: bucketed %d all-gather and %d reduce-scatter runs", len(gather_buckets), len(scatter_buckets))
+    return gm
