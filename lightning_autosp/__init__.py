@@ -12,10 +12,11 @@ from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
 from lightning_autosp.memory.monitor import ActivationMemoryMonitor  # noqa: E402
 from lightning_autosp.errors import AutoSPError  # noqa: E402
+from lightning_autosp.fsdp import grad_norm  # noqa: E402
 from lightning_autosp.sampler import SequenceParallelSampler  # noqa: E402
 from lightning_autosp.strategy import AutoSPStrategy  # noqa: E402
 
-__all__ = ["AutoSPStrategy", "SequenceParallelSampler", "AutoSPError", "ActivationMemoryMonitor"]
+__all__ = ["AutoSPStrategy", "SequenceParallelSampler", "AutoSPError", "ActivationMemoryMonitor", "grad_norm"]
 __version__ = "0.1.0"
 
 if "autosp" not in StrategyRegistry:

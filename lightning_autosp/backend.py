@@ -50,6 +50,9 @@ class CompiledStep:
     sac: Optional[SACConfig]
     pass_stats: tuple[SPPassStats, ...]
     saved_activations: tuple[SavedActivations, ...]
+    #: per forward and backward graph compiled with an AOT backend (not on an inductor cache hit):
+    #: the sharded mode's parameter collectives before and after bucketing per block
+    bucket_stats: tuple[BucketStats, ...] = ()
 
     @property
     def sdpa_rewritten(self) -> int:
@@ -237,6 +240,7 @@ class AutoSPBackend:
             sac=self.sac,
             pass_stats=tuple(copy.deepcopy(g) for g in self.pass_stats),
             saved_activations=tuple(r.snapshot() for r in self.saved_activations),
+            bucket_stats=tuple(copy.copy(b) for b in self.bucket_stats),
         )
 
     @property

@@ -15,8 +15,9 @@ rank order, the last ranks holding fewer when the rows do not divide. With ``"hy
 mesh has two dims, ``("replicate", "shard")``: shards within a node, replicas across nodes.
 
 A module that holds parameters gets a subclass of its own class (``Sharded<Name>``) whose
-parameter names are properties: reading ``linear.weight`` in ``forward`` returns the full
-weight, ``redistribute``-d to ``Replicate`` (an all-gather, in ``param_dtype`` if set) and
+parameter names are properties: reading ``linear.weight`` in a forward (compiled, or eager:
+forward hooks on every module of the tree count the forwards running) returns the full weight,
+and anywhere else the parameter itself. The full weight is ``redistribute``-d to ``Replicate`` (an all-gather, in ``param_dtype`` if set) and
 taken ``to_local`` with ``Partial("avg")`` gradients, so autograd derives a reduce-scatter (in
 ``reduce_dtype``) that leaves each rank the world-average gradient of its shard, as DDP
 averages. Under ``torch.compile`` these are ordinary graph nodes: the SP pass leaves them alone
@@ -52,6 +53,8 @@ __all__ = [
     "broadcast_module",
     "sharded_parameter_bytes",
     "local_tensor",
+    "whole",
+    "grad_norm",
 ]
 
 log = logging.getLogger(__name__)
@@ -110,15 +113,39 @@ class _Gather:
 
 #: (original class, parameter names) -> the subclass with a property per parameter name
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+#: forwards of sharded modules running eagerly now (nested calls count each)
+_eager_forwards = 0
+
+
+def _read_parameter(module: nn.Module, name: str) -> torch.Tensor:
+    """What ``module.<name>`` gives: inside a forward (compiled, or eager through the hooks of
+    :func:`shard_module`) the gathered full tensor, elsewhere the parameter itself - a DTensor
+    whose ``.grad``, ``.data`` and ties are those user code expects of a parameter."""
+    param = module._parameters[name]
+    if _eager_forwards or torch.compiler.is_compiling():
+        return module._autosp_gather(param)
+    return param
 
 
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     key = (cls, names)
     if key not in _SHARDED_CLASSES:
-        props = {name: property(lambda self, name=name: self._autosp_gather(self._parameters[name])) for name in names}
+        props: dict[str, Any] = {name: property(lambda self, name=name: _read_parameter(self, name)) for name in names}
         props["_autosp_original_class"] = cls
         _SHARDED_CLASSES[key] = type(f"Sharded{cls.__name__}", (cls,), props)
     return _SHARDED_CLASSES[key]
+
+
+def _enter_forward(module: nn.Module, args: Any) -> None:
+    global _eager_forwards
+    if not torch.compiler.is_compiling():
+        _eager_forwards += 1
+
+
+def _leave_forward(module: nn.Module, args: Any, output: Any) -> None:
+    global _eager_forwards
+    if not torch.compiler.is_compiling():
+        _eager_forwards -= 1
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -126,6 +153,39 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole(value: Any) -> Any:
+    """``value`` with every DTensor in it (a tensor, or the values of a dict) replaced by its whole
+    value, the same on every rank (a collective where it is sharded or partial). A DTensor's
+    ``.item()`` gives this rank's part: a norm of a sharded gradient is ``Partial``, its local
+    value one rank's share of the sum of squares."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, dict):
+        return {k: whole(v) for k, v in value.items()}
+    return value
+
+
+def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, torch.Tensor]:
+    """Lightning's :func:`lightning.pytorch.utilities.grad_norm` for modules whose gradients may
+    be DTensors (``AutoSPStrategy(fsdp=...)``): the same keys (``grad_2.0_norm/<name>`` and
+    ``grad_2.0_norm_total``) with whole-model values on every rank, as on one device. Lightning's
+    own builds ``torch.tensor`` from the per-parameter norms, which DTensors cannot pass. A
+    collective with DTensor gradients: call it on every rank."""
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+    norms = {
+        f"grad_{norm_type}_norm{group_separator}{name}": whole(p.grad.detach().norm(norm_type))
+        for name, p in module.named_parameters()
+        if p.grad is not None
+    }
+    if norms:
+        norms[f"grad_{norm_type}_norm_total"] = torch.stack(list(norms.values())).norm(norm_type)
+    return norms
 
 
 def shard_module(module: nn.Module, policy: ShardingPolicy) -> int:
@@ -157,6 +217,11 @@ def shard_module(module: nn.Module, policy: ShardingPolicy) -> int:
             mod._parameters[name] = done[id(p)]
         object.__setattr__(mod, "_autosp_gather", gather)
         mod.__class__ = _sharded_class(type(mod), names)
+    handles = []
+    for mod in module.modules():  # a forward reads its own and its children's parameters
+        handles.append(mod.register_forward_pre_hook(_enter_forward))
+        handles.append(mod.register_forward_hook(_leave_forward, always_call=True))
+    object.__setattr__(module, "_autosp_forward_hooks", handles)
     log.debug("AutoSP: sharded %d parameters over %s", len(done), policy.mesh)
     return len(done)
 
@@ -167,6 +232,8 @@ def unshard_module(module: nn.Module) -> int:
     collective: call it on every rank."""
     from torch.distributed.tensor import DTensor
 
+    for handle in module.__dict__.pop("_autosp_forward_hooks", ()):
+        handle.remove()
     done: dict[int, nn.Parameter] = {}
     for mod in module.modules():
         original = getattr(type(mod), "_autosp_original_class", None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from lightning_autosp.checkpoint import (
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.fsdp import (
     DDP_ONLY_ARGUMENTS,
+    whole,
     FSDPConfig,
     broadcast_module,
     has_meta_tensors,
@@ -505,6 +507,10 @@ class AutoSPStrategy(DDPStrategy):
         log.debug("AutoSP: compiled %s with backend %s", _COMPILED_STEPS, self.compile_backend)
         if not self._eager_calls:  # (as the steps: once until teardown)
             self._eager_calls = _keep_out_of_graphs(module)
+            if self._fsdp is not None:
+                hook = "on_before_optimizer_step"
+                self._eager_calls.append((module, hook, module.__dict__.get(hook, _ABSENT)))
+                setattr(module, hook, _explaining_dtensor_errors(getattr(module, hook), hook))
 
     @override
     def teardown(self) -> None:
@@ -698,8 +704,50 @@ def _keep_out_of_graphs(module: "pl.LightningModule") -> list[tuple[Any, str, An
         for name in names:
             before = owner.__dict__.get(name, _ABSENT)
             replaced.append((owner, name, before))
-            setattr(owner, name, torch.compiler.disable(getattr(owner, name), recursive=True))
+            call = getattr(owner, name)
+            if owner is module:  # a logged DTensor (a norm of sharded parameters) is logged whole
+                call = _logging_whole(call, name)
+            setattr(owner, name, torch.compiler.disable(call, recursive=True))
     return replaced
+
+
+def _logging_whole(log_fn: Callable, name: str) -> Callable:
+    """``self.log(name, value, ...)`` / ``self.log_dict(dictionary, ...)`` with DTensor values whole
+    (:func:`lightning_autosp.fsdp.whole`): Lightning would read one rank's part of them."""
+    values = "dictionary" if name == "log_dict" else "value"
+    position = 0 if name == "log_dict" else 1
+
+    @functools.wraps(log_fn)
+    def logging_whole(*args: Any, **kwargs: Any) -> Any:
+        if values in kwargs:
+            kwargs[values] = whole(kwargs[values])
+        elif len(args) > position:
+            args = (*args[:position], whole(args[position]), *args[position + 1 :])
+        return log_fn(*args, **kwargs)
+
+    return logging_whole
+
+
+def _explaining_dtensor_errors(hook: Callable, hook_name: str) -> Callable:
+    """The module's ``hook`` (``on_before_optimizer_step``), with the error Lightning's
+    ``grad_norm`` raises on DTensor gradients turned into one that names the fix."""
+
+    @functools.wraps(hook)
+    def explained(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return hook(*args, **kwargs)
+        except RuntimeError as exc:
+            if "data is not allocated" not in str(exc):
+                raise
+            raise AutoSPError(
+                f"`{hook_name}` read a DTensor's storage directly: with AutoSPStrategy(fsdp=...) parameters and their "
+                "gradients are DTensors, and Lightning's `lightning.pytorch.utilities.grad_norm` (like any code that "
+                "builds `torch.tensor` from their norms) cannot read them. Use `lightning_autosp.grad_norm(self, "
+                "norm_type)`: the same keys with the whole model's norms. Norms of single DTensors are partial per "
+                "rank: call `.full_tensor()` before `.item()`."
+            ) from exc
+
+    return explained
 
 
 def _compiled_step(fn: Callable, backend: AutoSPBackend) -> Callable:

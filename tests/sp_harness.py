@@ -242,6 +242,10 @@ class Recorder(L.Callback):
         st = trainer.strategy
         if isinstance(st, AutoSPStrategy) and st.fsdp:  # a collective: every rank
             self.rec["initial"] = {k.removeprefix("model."): v for k, v in full_state_dict(pl_module).items()}
+            self.rec["placement"] = {  # where each parameter lives: mesh, placements, this rank's part
+                n: (p.device_mesh.mesh.tolist(), tuple(str(x) for x in p.placements), local_tensor(p).detach().clone())
+                for n, p in pl_module.named_parameters()
+            }
         for optimizer in trainer.optimizers:  # the gradients' norm the optimizer stepped with (after clipping)
             optimizer.register_step_post_hook(self._record_stepped_norm)
 
@@ -261,6 +265,7 @@ class Recorder(L.Callback):
             self.rec["sp_group"] = dist.get_process_group_ranks(st.sp_group)
             self.rec["dp_group"] = dist.get_process_group_ranks(st.dp_group)
             self.rec["graphs"] = {k: list(c.pass_stats) for k, c in st.compiled_steps.items()}
+            self.rec["buckets"] = {k: list(c.bucket_stats) for k, c in st.compiled_steps.items()}
             if "training_step" in st.compiled_steps:  # how each compile's sizes follow the sequence length
                 self.rec["length_symbols"] = [dict(r.length_symbols) for r in st.compiled_steps["training_step"].saved_activations]
             if not st.fsdp:

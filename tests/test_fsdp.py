@@ -17,7 +17,7 @@ only held to Adam's bound, ``lr`` per step.
 
 import pytest
 import torch
-from sp_harness import FnModule, LMModule, TokenData, make_model, reference, reference_fn, rel_err, run_fit, spawn
+from sp_harness import FnModule, LMModule, TokenData, local_tensor, make_model, reference, reference_fn, rel_err, run_fit, spawn
 
 TOL = 1e-4
 LR = 1e-2
@@ -96,6 +96,11 @@ def test_sharded_matches_single_device(tmp_path, kind, devices, sp_size, clip, i
             assert all(abs(loc / clip - 1) > 0.1 for loc in rec["local_norms"]), rec["local_norms"]
     graphs = run.ranks[0]["graphs"]["training_step"]
     assert sum(g.sdpa for g in graphs) == 1 and all(not g.fallbacks for g in graphs)
+    # one gather per block in forward (embeddings, the layer, final norm + head), one
+    # reduce-scatter per block in backward; never one bucket for the whole model
+    forward, backward = run.ranks[0]["buckets"]["training_step"]
+    print(f"  collectives per step: forward {forward.all_gathers} gathers -> {forward.gather_buckets}, backward {backward.all_gathers} -> {backward.gather_buckets} gathers and {backward.reduce_scatters} -> {backward.scatter_buckets} reduce-scatters")
+    assert forward.all_gathers > 10 and forward.gather_buckets == 3 and backward.scatter_buckets == 3 and backward.gather_buckets == 2
     # SAC gathers the parameters again in backward rather than saving full weights (before it
     # did: the tiny Llama saved 452004 bytes, 204324 with the gathers recomputed)
     gathered = [n for n in run.ranks[0]["saved_names"] if n.startswith(("wait_tensor", "all_gather"))]
@@ -144,8 +149,11 @@ def _shard_roundtrip(rank, world):
     sharded = {n: (tuple(p.shape), p.dim()) for n, p in model.named_parameters()}
     local = {n: p.to_local().numel() for n, p in model.named_parameters()}
     dtensors = all(isinstance(p, DTensor) for p in model.parameters())
-    tied_sharded = model.head._parameters["weight"] is model.wte._parameters["weight"]
-    read = model.head.weight  # what forward reads: the gathered weight, a plain tensor
+    tied_sharded = model.head.weight is model.wte.weight and isinstance(model.head.weight, torch.nn.Parameter)
+    seen_in_forward = []  # what forward reads (here an eager forward): the gathered weight, a plain tensor
+    model.head.register_forward_pre_hook(lambda m, args: seen_in_forward.append(m.weight.detach().clone()))
+    model(torch.randint(0, 64, (1, 6)))
+    read = seen_in_forward[0]
     gathered = full_state_dict(model)
     unshard_module(model)
     return {
@@ -163,7 +171,8 @@ def test_shard_and_unshard_round_trip(tmp_path):
     """What fit does to the module and gives back at its end (``on_train_end``). While sharded:
     the model's own parameter names, shapes and dims, each a DTensor of which a rank holds 1/world
     of the rows (3 ranks: the rows do not divide, the last ranks hold fewer), the tied head one
-    parameter with the embedding, and reading ``head.weight`` in forward gives the full weight.
+    parameter with the embedding (``head.weight`` outside a forward is that parameter), and
+    reading ``head.weight`` in a forward (here an eager one) gives the full weight.
     After: the same parameters, names, ties and classes, plain tensors again."""
     results = spawn(tmp_path, _shard_roundtrip, 3)
     model = make_model("gpt")
@@ -184,6 +193,21 @@ def test_fsdp_argument_is_checked():
 
     with pytest.raises(ValueError, match=r"fsdp='yes'.*True or 'full'.*'hybrid'.*False"):
         AutoSPStrategy(fsdp="yes")
+    # the DDP wrapper's arguments would do nothing in the sharded mode: refused, naming them
+    with pytest.raises(ValueError, match=r"fsdp=True.*\['ddp_comm_hook', 'find_unused_parameters'\] would do nothing.*fsdp=False"):
+        AutoSPStrategy(fsdp=True, ddp_comm_hook=lambda state, bucket: None, find_unused_parameters=True)
+    with pytest.raises(ValueError, match=r"fsdp='hybrid'.*\['model_averaging_period'\]"):
+        AutoSPStrategy(fsdp="hybrid", model_averaging_period=4)
+    with pytest.raises(ValueError, match=r"param_dtype=.*with fsdp=False parameters are replicas"):
+        AutoSPStrategy(param_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"reduce_dtype='int8'.*floating-point torch dtype"):
+        AutoSPStrategy(fsdp=True, reduce_dtype="int8")
+    AutoSPStrategy(fsdp=False, find_unused_parameters=True)  # negative control: DDP's own arguments stay DDP's
+    strategy = AutoSPStrategy(fsdp="hybrid", param_dtype="bfloat16")
+    policy = strategy._fsdp.policy(mesh=None, precision="32-true")
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert AutoSPStrategy(fsdp=True)._fsdp.policy(None, "bf16-mixed").param_dtype == torch.bfloat16
+    assert AutoSPStrategy(fsdp=True)._fsdp.policy(None, "32-true").param_dtype is None
 
 
 class _TableWithoutInit(torch.nn.Module):
@@ -255,3 +279,206 @@ def test_init_module_builds_on_meta_only_in_sharded_mode():
 
     assert device_of(True) == "meta" and device_of(True, empty_init=True) == "meta"
     assert device_of(True, empty_init=False) == "cpu" and device_of(False) == "cpu"
+
+
+class _UserCode(LMModule):
+    """What ordinary Lightning code reads from the parameters: nanoGPT's weight-decay groups by
+    ``p.dim()``, names ending in ``.bias``, shapes, gradient norms logged in
+    ``on_before_optimizer_step`` (with ``lightning_autosp.grad_norm`` and ``self.log`` of a
+    single parameter's gradient norm, a ``Partial`` DTensor when sharded)."""
+
+    def __init__(self, out):
+        super().__init__("gpt", lr=LR, optimizer="adamw", layers=1, log_loss=False)
+        self.out = str(out)
+        self.seen: dict = {}
+
+    def configure_optimizers(self):
+        named = list(self.named_parameters())
+        decay = [p for _, p in named if p.dim() >= 2]
+        self.seen.update(
+            decayed=len(decay), not_decayed=len(named) - len(decay), biases=sorted(n for n, _ in named if n.endswith(".bias")),
+            shapes={n: tuple(p.shape) for n, p in named},
+            # the negative control: what a flat 1-D shard per rank (the former sharded mode) shows
+            flat_decayed=sum(local_tensor(p).reshape(-1).dim() >= 2 for _, p in named),
+        )
+        no_decay = [p for _, p in named if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=LR)
+
+    def on_before_optimizer_step(self, optimizer):
+        import lightning_autosp
+        from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+
+        norms = lightning_autosp.grad_norm(self, norm_type=2)
+        self.log_dict(norms)
+        self.log("wte_grad_norm", self.model.wte.weight.grad.norm())
+        self.seen["grad_norm"] = {k: float(v) for k, v in norms.items()}
+        self.seen["local_grad_norm"] = float(torch.stack([local_tensor(p.grad).norm() for p in self.parameters()]).norm())
+        try:
+            self.seen["lightning_grad_norm"] = {k: float(v) for k, v in lightning_grad_norm(self, norm_type=2).items()}
+        except RuntimeError as exc:
+            self.seen["lightning_grad_norm"] = str(exc)
+
+    def on_train_end(self):
+        self.seen["logged"] = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
+        torch.save(self.seen, f"{self.out}/rank{self.global_rank}.pt")
+
+
+def test_user_code_sees_what_it_sees_on_one_device(tmp_path):
+    """The issue's table, sharded against replicated (GPT with biases, sp=2, one step): the same
+    weight-decay groups (10 matrices decayed, 13 vectors not... counted from the model), names,
+    shapes, and gradient norms logged per parameter and in total, on every rank. Negative
+    controls: flat 1-D shards would decay nothing, and one rank's shards have another norm.
+    Lightning's own ``grad_norm`` cannot read DTensor gradients: it raises (not a silent wrong
+    value), and AutoSP turns that error into one naming ``lightning_autosp.grad_norm``."""
+    seen = {}
+    for fsdp in (False, True):
+        out = tmp_path / f"fsdp{fsdp}"
+        out.mkdir()
+        run_fit(tmp_path, _UserCode(out), TokenData(4, 32), 2, 2, steps=1, fsdp=fsdp)
+        seen[fsdp] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    model = make_model("gpt", 1)
+    matrices = sum(p.dim() >= 2 for p in model.parameters())
+    for rec in seen[True] + seen[False]:
+        want = seen[False][0]
+        assert (rec["decayed"], rec["not_decayed"]) == (want["decayed"], want["not_decayed"]) == (matrices, len(list(model.parameters())) - matrices)
+        assert rec["biases"] == want["biases"] and len(rec["biases"]) > 0 and rec["shapes"] == want["shapes"]
+        assert rec["grad_norm"].keys() == want["grad_norm"].keys()
+        for k, v in want["grad_norm"].items():
+            assert abs(rec["grad_norm"][k] / v - 1) < 1e-5, k
+        total = want["grad_norm"]["grad_2.0_norm_total"]
+        assert abs(rec["logged"]["grad_2.0_norm_total"] / total - 1) < 1e-5
+        assert abs(rec["logged"]["wte_grad_norm"] / want["logged"]["wte_grad_norm"] - 1) < 1e-5
+    for rec in seen[False]:  # replicated: Lightning's grad_norm works and agrees
+        assert all(abs(rec["lightning_grad_norm"][k] / v - 1) < 1e-5 for k, v in rec["grad_norm"].items())
+    for rec in seen[True]:
+        assert rec["flat_decayed"] == 0  # negative control: flat shards would silently turn weight decay off
+        assert abs(rec["local_grad_norm"] / rec["grad_norm"]["grad_2.0_norm_total"] - 1) > 0.1  # ... and log one rank's norm
+        assert "data is not allocated" in rec["lightning_grad_norm"]
+
+
+def test_lightning_grad_norm_error_names_the_fix():
+    """The hook wrapper AutoSP puts around ``on_before_optimizer_step`` in the sharded mode: the
+    error Lightning's ``grad_norm`` raises on DTensors becomes an AutoSPError naming the fix;
+    any other error passes unchanged."""
+    from lightning_autosp import AutoSPError
+    from lightning_autosp.strategy import _explaining_dtensor_errors
+
+    def hook(message):
+        raise RuntimeError(message)
+
+    wrapped = _explaining_dtensor_errors(hook, "on_before_optimizer_step")
+    with pytest.raises(AutoSPError, match=r"lightning_autosp\.grad_norm\(self, norm_type\)"):
+        wrapped("The tensor has a non-zero number of elements, but its data is not allocated yet.")
+    with pytest.raises(RuntimeError, match="^other$"):
+        wrapped("other")
+
+
+def test_sharded_bf16_mixed_gathers_in_bf16(tmp_path):
+    """``precision="bf16-mixed"``: parameters are all-gathered in bfloat16 (half the bytes of
+    fp32) and gradients reduce-scattered in float32 (read off every rank's compiled graphs), the
+    shards and AdamW state stay fp32. Against one device under the same autocast with the parameters cast to bfloat16
+    as they are gathered, the losses and the first step's gradients agree to 2e-2: bf16 keeps 8
+    significant bits (eps 2**-7 = 7.8e-3), the sp=2 ranks run the same matmuls on other blocks
+    (S/P tokens, H/P heads) and each rank's gradient share is rounded to bf16 before the fp32 sum,
+    where one device rounds the whole once - a few eps (measured 1.1e-2). Later steps' gradients
+    are held to 5e-2: AdamW turns those differences into parameter steps of up to lr where a
+    gradient is near zero (measured 1.5e-2, 2.6e-2). Against one device under plain autocast
+    (fp32 weights where autocast leaves an op in fp32: norms, embedding) the difference is
+    reported. Negative control: sharding the sequence without the pass is off by ~100%."""
+    from test_any_model import TinyAttentionLM, tiny_loss
+
+    from sp_harness import compare, naive_reference_fn
+
+    factory = lambda: TinyAttentionLM(heads=4, kv_heads=2)  # noqa: E731
+    module = FnModule(factory, tiny_loss, lr=LR, optimizer="adamw", log_loss=False)
+    run = run_fit(tmp_path, module, TokenData(8, 32), 2, 2, fsdp=True, precision="bf16-mixed")
+
+    def bf16_params(model, batch):  # one device, parameters cast as the sharded mode gathers them
+        params = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return tiny_loss(lambda *args: torch.func.functional_call(model, params, args), batch)
+
+    from sp_harness import replay
+
+    ref_losses, ref_grads = replay(factory, bf16_params, run, 2, LR, optimizer="adamw")
+    loss_err, grad_err = compare(run, 2, ref_losses, ref_grads)
+    first = type(run)([{**rec, "grads": rec["grads"][:1]} for rec in run.ranks])
+    first_err = compare(first, 2, ref_losses, ref_grads[:1])[1]
+    plain = compare(run, 2, *reference_fn(factory, tiny_loss, run, 2, lr=LR, optimizer="adamw", bf16=True))
+    naive = compare(run, 2, *naive_reference_fn(factory, tiny_loss, run, 2, lr=LR))
+    print(
+        f"fsdp bf16-mixed sp=2: loss {loss_err:.2e}, first step's gradients {first_err:.2e}, every step's {grad_err:.2e}; "
+        f"against plain autocast (fp32 weights): loss {plain[0]:.2e} gradients {plain[1]:.2e}; naive sharding: gradients {naive[1]:.2e}"
+    )
+    assert loss_err <= 2e-2 and first_err <= 2e-2 and grad_err <= 5e-2
+    assert naive[1] > 0.2
+    for rec in run.ranks:  # the compiled graphs' collectives: gathers in bf16, reduce-scatters in fp32
+        stats = rec["buckets"]["training_step"]
+        assert {d for s in stats for d in s.gather_dtypes} == {"torch.bfloat16"}
+        assert {d for s in stats for d in s.scatter_dtypes} == {"torch.float32"}
+        assert sum(s.reduce_scatters for s in stats) > 0
+    held = run.ranks[0]["bytes"]  # fp32 masters: 4 bytes per element of parameter, gradient, both moments
+    numel = sum(p.numel() for p in factory().parameters())
+    assert abs(sum(held.values()) - 16 * numel / 2) <= 0.1 * 16 * numel / 2, held
+
+
+def _node_agent(node_rank, port, out, steps):
+    """One of two launcher agents on this machine, as on two nodes: ``NODE_RANK`` from the
+    environment, two processes each (Lightning forks them), four ranks in all."""
+    import os
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_autosp import AutoSPStrategy
+    from sp_harness import Recorder
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node_rank))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, num_nodes=2, max_steps=steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[Recorder(out)],
+        strategy=AutoSPStrategy(sp_size=2, compile_backend="aot_eager", start_method="fork", fsdp="hybrid"),
+    )
+    module = LMModule("llama", lr=LR, optimizer="adamw", layers=1, log_loss=False)
+    trainer.fit(module, DataLoader(TokenData(16, 32), batch_size=2, shuffle=False))
+
+
+def test_hybrid_sharding_two_nodes_matches_single_device(tmp_path):
+    """``fsdp="hybrid"`` on two simulated nodes (two launcher agents with NODE_RANK 0 and 1, two
+    processes each): dp=2 x sp=2, parameters sharded within a node (``(replicate, shard)`` mesh
+    [[0, 1], [2, 3]]: a rank holds half of each parameter, the same half as its peer on the other
+    node) and replicated across nodes, so gathers stay inside a node. Losses, gradients and the
+    parameters after 3 AdamW steps equal one device. Negative control: one device on other batches."""
+    import multiprocessing
+
+    from sp_harness import Run, free_port
+
+    port, steps = free_port(), 3
+    ctx = multiprocessing.get_context("fork")
+    agents = [ctx.Process(target=_node_agent, args=(node, port, str(tmp_path), steps)) for node in (0, 1)]
+    for a in agents:
+        a.start()
+    for a in agents:
+        a.join(timeout=600)
+    assert [a.exitcode for a in agents] == [0, 0]
+    run = Run([torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)])
+    assert [rec["sp_group"] for rec in run.ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for r, rec in enumerate(run.ranks):
+        for name, (mesh, placements, local) in rec["placement"].items():
+            assert mesh == [[0, 1], [2, 3]] and placements == ("R", "S(0)"), (name, mesh, placements)
+            peer = run.ranks[(r + 2) % 4]["placement"][name][2]  # the same local rank on the other node
+            assert torch.equal(local, peer), name
+            rows = rec["initial"][name.removeprefix("model.")].shape[0]
+            half = -(-rows // 2)  # local rank 0 holds the first ceil(rows / 2) rows, local rank 1 the rest
+            assert local.shape[0] == (half if r % 2 == 0 else rows - half), name
+    final: dict = {}
+    kwargs = dict(lr=LR, optimizer="adamw", initial=run.ranks[0]["initial"], layers=1, final=final)
+    ref_losses, ref_grads = reference("llama", run, 2, **kwargs)
+    loss_err, grad_err, param_err = _errors(run, 2, ref_losses, ref_grads, final)
+    print(f"hybrid 2 nodes x 2: loss {loss_err:.2e}, grads {grad_err:.2e}, params {param_err:.2e}")
+    assert loss_err <= TOL and grad_err <= TOL and param_err <= TOL
+    shifted = type(run)([{**rec, "batches": rec["batches"][1:] + rec["batches"][:1]} for rec in run.ranks])
+    bad_final: dict = {}
+    bad = reference("llama", shifted, 2, **{**kwargs, "final": bad_final})
+    assert min(_errors(run, 2, *bad, bad_final)[1:]) > 100 * TOL

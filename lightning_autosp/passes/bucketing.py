@@ -41,12 +41,19 @@ _INDEX = re.compile(r"(?:\.(\d+)|\[(\d+)\])(?=\.|\[|$)")
 
 @dataclass
 class BucketStats:
-    """What :func:`bucket_parameter_collectives_pass` did to one graph."""
+    """What :func:`bucket_parameter_collectives_pass` did to one graph: its parameter
+    all-gathers and reduce-scatters before bucketing and after (``*_buckets``), the dtypes they
+    move and the bytes each rank receives from the gathers / hands to the reduce-scatters per call
+    of the graph."""
 
-    all_gathers: int = 0  # parameter all-gathers before bucketing
-    gather_buckets: int = 0  # ... and after
+    all_gathers: int = 0
+    gather_buckets: int = 0
     reduce_scatters: int = 0
     scatter_buckets: int = 0
+    gather_dtypes: tuple[str, ...] = ()
+    scatter_dtypes: tuple[str, ...] = ()
+    gathered_bytes: int = 0
+    scattered_bytes: int = 0
 
 
 def _module_path(node: fx.Node) -> Optional[str]:
@@ -94,6 +101,11 @@ def _dtype(node: fx.Node) -> Any:
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
+def _nbytes(node: Any) -> int:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return int(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
 def parameter_collective_buckets(gm: fx.GraphModule) -> tuple[list[list[fx.Node]], list[list[fx.Node]]]:
     """``(all-gather buckets, reduce-scatter buckets)`` of ``gm``: runs of parameter all-gathers
     and of reduce-scatters with the same block, process group and dtype, in graph order."""
@@ -118,10 +130,15 @@ def bucket_parameter_collectives_pass(gm: fx.GraphModule, stats: Optional[Bucket
     gather_buckets, scatter_buckets = parameter_collective_buckets(gm)
     if stats is not None:
         nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-        stats.all_gathers = sum(gathered_input(n) is not None for n in nodes)
-        stats.reduce_scatters = sum(_op_name(n) == _REDUCE_SCATTER for n in nodes)
+        gathers = [n for n in nodes if gathered_input(n) is not None]
+        scatters = [n for n in nodes if _op_name(n) == _REDUCE_SCATTER]
+        stats.all_gathers, stats.reduce_scatters = len(gathers), len(scatters)
         stats.gather_buckets = stats.all_gathers - sum(len(b) - 1 for b in gather_buckets)
         stats.scatter_buckets = stats.reduce_scatters - sum(len(b) - 1 for b in scatter_buckets)
+        stats.gather_dtypes = tuple(sorted({str(_dtype(n)) for n in gathers}))
+        stats.scatter_dtypes = tuple(sorted({str(_dtype(n)) for n in scatters}))
+        stats.gathered_bytes = sum(_nbytes(n) for n in gathers)
+        stats.scattered_bytes = sum(_nbytes(n.args[0]) for n in scatters)
     if gather_buckets or scatter_buckets:
         merge_collective_buckets(gm, gather_buckets, scatter_buckets)
         gm.graph.lint()
