@@ -44,12 +44,11 @@ from lightning_autosp.errors import AutoSPError
 __all__ = [
     "FSDP_MODES",
     "ShardingPolicy",
+    "shard_parameters",
     "shard_module",
     "unshard_module",
     "is_sharded",
     "full_state_dict",
-    "materialize_meta",
-    "has_meta_tensors",
     "broadcast_module",
     "sharded_parameter_bytes",
     "local_tensor",
@@ -188,42 +187,91 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     return norms
 
 
-def shard_module(module: nn.Module, policy: ShardingPolicy) -> int:
-    """Make every parameter of ``module`` a DTensor sharded by ``policy`` (in place), each
-    module's class a ``Sharded<Name>`` subclass that gathers them when read; return how many
-    parameters were sharded. All ranks must hold the same values before (the strategy
-    broadcasts rank 0's first); each keeps its shard (a copy, so the full tensor can be freed).
-    """
+def _local_rows(rows: int, policy: ShardingPolicy) -> tuple[int, int]:
+    """``(start, stop)``: the rows of a ``Shard(0)`` tensor of ``rows`` rows this rank holds
+    (``torch.chunk``'s split: ``ceil(rows / n)`` each in mesh order, the last ones fewer)."""
+    n = policy.mesh.size(policy.mesh.ndim - 1)
+    coordinate = policy.mesh.get_coordinate()[-1]
+    chunk = -(-rows // n)
+    start = min(coordinate * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def _shard(param: torch.Tensor, policy: ShardingPolicy, device: Optional[torch.device]) -> torch.Tensor:
+    """This rank's shard of ``param`` as a DTensor with storage of its own; a ``meta`` parameter
+    becomes an unfilled (NaN) shard on ``device``, for its values to be read in."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    placements = policy.placements(param)
+    if not param.is_meta:
+        with torch.no_grad():
+            dt = distribute_tensor(param.detach(), policy.mesh, placements, src_data_rank=None)
+            return DTensor.from_local(dt.to_local().clone(), policy.mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride())
+    shape = param.shape
+    if param.dim() > 0:
+        start, stop = _local_rows(shape[0], policy)
+        shape = torch.Size([stop - start, *shape[1:]])
+    local = torch.full(shape, float("nan"), dtype=param.dtype, device=device) if param.is_floating_point() else torch.empty(shape, dtype=param.dtype, device=device)
+    return DTensor.from_local(local, policy.mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
+
+
+def shard_parameters(
+    module: nn.Module,
+    policy: ShardingPolicy,
+    done: Optional[dict[int, nn.Parameter]] = None,
+    keep: frozenset[int] = frozenset(),
+    device: Optional[torch.device] = None,
+) -> int:
+    """Make the parameters of ``module`` DTensors sharded by ``policy`` and each module's class a
+    ``Sharded<Name>`` subclass (in place); return how many were sharded. ``done`` maps the id of
+    each parameter sharded to its DTensor, so that a parameter held by several modules stays one;
+    parameters whose id is in ``keep`` are left for a later call, and parameters an earlier call
+    sharded are left as they are.
+    ``meta`` parameters become unfilled shards on ``device``. All ranks must hold the same values
+    (the strategy broadcasts rank 0's first); each keeps a copy of its shard, so the full tensor
+    can be freed."""
+    from torch.distributed.tensor import DTensor
+
+    done = {} if done is None else done
     gather = _Gather(policy)
-    done: dict[int, nn.Parameter] = {}
+    count = 0
     for mod in list(module.modules()):
         names = tuple(n for n, p in mod._parameters.items() if p is not None)
-        if not names or hasattr(type(mod), "_autosp_original_class"):
+        if not names:
             continue
         for name in names:
             p = mod._parameters[name]
+            if id(p) in keep or getattr(p, "_autosp_shard", False):
+                continue
             if id(p) not in done:
                 if isinstance(p, DTensor):
                     raise AutoSPError(
                         f"{type(mod).__name__}.{name} is a DTensor already (placements {p.placements}): AutoSP's fsdp "
                         "shards plain parameters. Build the model without applying another parallelism to it."
                     )
-                with torch.no_grad():
-                    dt = distribute_tensor(p.detach(), policy.mesh, policy.placements(p), src_data_rank=None)
-                    dt = DTensor.from_local(dt.to_local().clone(), policy.mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride())
-                done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+                done[id(p)] = nn.Parameter(_shard(p, policy, device), requires_grad=p.requires_grad)
+                done[id(p)]._autosp_shard = True  # ours: a later call leaves it alone
+                count += 1
             mod._parameters[name] = done[id(p)]
-        object.__setattr__(mod, "_autosp_gather", gather)
-        mod.__class__ = _sharded_class(type(mod), names)
+        if not hasattr(type(mod), "_autosp_original_class"):
+            object.__setattr__(mod, "_autosp_gather", gather)
+            mod.__class__ = _sharded_class(type(mod), names)
+    return count
+
+
+def shard_module(module: nn.Module, policy: ShardingPolicy) -> int:
+    """Make every parameter of ``module`` a DTensor sharded by ``policy`` (in place,
+    :func:`shard_parameters`; parts sharded before stay as they are) and count the forwards
+    running in it, so that its modules read gathered weights there; return how many parameters
+    this call sharded."""
+    count = shard_parameters(module, policy)
     handles = []
     for mod in module.modules():  # a forward reads its own and its children's parameters
         handles.append(mod.register_forward_pre_hook(_enter_forward))
         handles.append(mod.register_forward_hook(_leave_forward, always_call=True))
     object.__setattr__(module, "_autosp_forward_hooks", handles)
-    log.debug("AutoSP: sharded %d parameters over %s", len(done), policy.mesh)
-    return len(done)
+    log.debug("AutoSP: sharded %d parameters over %s", count, policy.mesh)
+    return count
 
 
 def unshard_module(module: nn.Module) -> int:
@@ -262,95 +310,12 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
-def has_meta_tensors(module: nn.Module) -> bool:
-    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
-
-
-def materialize_meta(module: nn.Module, device: torch.device) -> int:
-    """Give every parameter and buffer of ``module`` left on the ``meta`` device real storage on
-    ``device`` and initialise it (in place); return how many tensors were materialised.
-
-    The initialisers are the model's own: each submodule's ``reset_parameters()`` (PyTorch's
-    convention) or, where it has none, its ``init_weights()`` (Hugging Face ``PreTrainedModel``,
-    torchtitan), called children first and parents last, as construction runs them: a model
-    whose root initialises every weight (``GPT.reset_parameters``, HF ``post_init``) overrides
-    the defaults of its ``nn.Linear`` children, as it does when built for real. Tied parameters
-    stay tied.
-
-    Only modules whose every tensor was on the meta device are initialised: real tensors keep
-    their values, and a module that mixes both under one initialiser is an error.
-
-    Never silent: new storage is filled with NaN (integers with their largest value) first, and a
-    tensor that no initialiser overwrote is an :class:`AutoSPError` naming it - a non-persistent
-    buffer computed in ``__init__`` (a RoPE frequency table) is the usual case.
-    """
-    fresh: dict[int, torch.Tensor] = {}
-
-    def real(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in fresh:
-            new = torch.empty_like(t, device=device)
-            with torch.no_grad():
-                if new.is_floating_point() or new.is_complex():
-                    new.fill_(float("nan"))
-                elif new.dtype != torch.bool:
-                    new.fill_(torch.iinfo(new.dtype).max)
-            fresh[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
-        return fresh[id(t)]
-
-    for prefix, mod in module.named_modules(remove_duplicate=False):
-        for table in (mod._parameters, mod._buffers):
-            for name, t in table.items():
-                if t is not None and t.is_meta:
-                    if t.dtype == torch.bool:
-                        raise AutoSPError(
-                            f"{prefix + '.' if prefix else ''}{name} is a bool tensor on the meta device: AutoSP cannot "
-                            "tell whether an initialiser rewrites it. Build the model with real tensors "
-                            "(Trainer.init_module(empty_init=False)) or hold it as a float or integer tensor."
-                        )
-                    table[name] = real(t)
-    if not fresh:
-        return 0
-    new_ids = {id(v) for v in fresh.values()}
-    with torch.no_grad():
-        for name, mod in reversed(list(module.named_modules())):  # children before their parents
-            init = getattr(mod, "reset_parameters", None) or getattr(mod, "init_weights", None)
-            if not callable(init):
-                continue
-            mine = [id(t) in new_ids for t in [*mod.parameters(), *mod.buffers()]]
-            if not any(mine):
-                continue  # built for real (pretrained, say): its values stay
-            if not all(mine):
-                raise AutoSPError(
-                    f"{name or type(mod).__name__} holds tensors built on the meta device next to real ones, and its "
-                    "initialiser would overwrite the real ones. Build the whole module in configure_model (or under "
-                    "Trainer.init_module()), or all of it for real (Trainer.init_module(empty_init=False))."
-                )
-            init()
-    untouched = []
-    for prefix, mod in module.named_modules():
-        for name, t in [*mod._parameters.items(), *mod._buffers.items()]:
-            if t is None or id(t) not in new_ids:
-                continue
-            blank = t.isnan() if t.is_floating_point() or t.is_complex() else t == torch.iinfo(t.dtype).max
-            if bool(blank.any()):
-                untouched.append(f"{prefix}.{name}" if prefix else name)
-    if untouched:
-        raise AutoSPError(
-            f"the model was built on the meta device (fsdp=True builds configure_model and Trainer.init_module "
-            f"there), and no initialiser wrote {', '.join(untouched[:8])}{' ...' if len(untouched) > 8 else ''}: AutoSP "
-            "calls each module's reset_parameters() (or init_weights()) to initialise it. Compute these tensors in "
-            "such a method, or build the model with real tensors: Trainer.init_module(empty_init=False), or "
-            "construct it in the LightningModule's __init__."
-        )
-    log.debug("AutoSP: materialised %d meta tensors on %s", len(fresh), device)
-    return len(fresh)
-
-
 def broadcast_module(module: nn.Module, src: int = 0) -> None:
-    """Give every rank ``src``'s parameters and buffers (in place)."""
+    """Give every rank ``src``'s parameters and buffers (in place); shards stay as they are."""
     with torch.no_grad():
         for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
-            dist.broadcast(t, src=src)
+            if not getattr(t, "_autosp_shard", False):
+                dist.broadcast(t, src=src)
 
 
 def sharded_parameter_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:

@@ -34,20 +34,11 @@ from lightning_autosp.checkpoint import (
     save_distributed,
 )
 from lightning_autosp.errors import AutoSPError
-from lightning_autosp.fsdp import (
-    DDP_ONLY_ARGUMENTS,
-    whole,
-    FSDPConfig,
-    broadcast_module,
-    has_meta_tensors,
-    is_sharded,
-    materialize_meta,
-    shard_module,
-    unshard_module,
-)
+from lightning_autosp.fsdp import DDP_ONLY_ARGUMENTS, FSDPConfig, ShardingPolicy, broadcast_module, is_sharded, shard_module, unshard_module, whole
 from lightning_autosp.layout import SPLayout, check_sequence_fits, validate_layout, validate_sp_size
 from lightning_autosp.passes.sac import SACConfig
 from lightning_autosp.sampler import make_resumable
+from lightning_autosp.sharded_init import has_meta_tensors, load_pretrained, materialize_sharded, move_real_tensors
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -116,6 +107,12 @@ class AutoSPStrategy(DDPStrategy):
             own dtype (fp32 masters).
         reduce_dtype: with ``fsdp``, the dtype gradients are reduce-scattered in; ``None``:
             float32 where parameters are gathered in a lower precision.
+        pretrained: with ``fsdp``, weights to start from, per LightningModule attribute built in
+            ``configure_model`` (``{"model": "/path/to/hf_model_dir"}``; ``""``: the module
+            itself): a Hugging Face directory of ``*.safetensors`` files, a ``.safetensors``
+            file, or a ``torch.save``-d state dict; keys as the attribute's ``state_dict()``
+            names them. Each rank reads only the rows of its own shards
+            (:func:`lightning_autosp.sharded_init.load_pretrained`).
         chunked_loss: compute ``cross_entropy(linear(hidden, W_vocab), labels)`` in chunks of
             tokens so the ``tokens x vocabulary`` logits are never live whole
             (:mod:`lightning_autosp.fused_loss`; same loss and gradients). ``True`` (default)
@@ -147,6 +144,7 @@ class AutoSPStrategy(DDPStrategy):
         fsdp: Union[bool, str] = False,
         param_dtype: Optional[Union[str, torch.dtype]] = None,
         reduce_dtype: Optional[Union[str, torch.dtype]] = None,
+        pretrained: Optional[dict[str, str]] = None,
         chunked_loss: Union[bool, int] = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -175,6 +173,13 @@ class AutoSPStrategy(DDPStrategy):
                 "or compile_backend='aot_eager' or 'inductor' to keep SAC."
             )
         self._fsdp = FSDPConfig.from_arguments(fsdp, param_dtype, reduce_dtype)
+        if pretrained is not None and (self._fsdp is None or not isinstance(pretrained, dict)):
+            raise ValueError(
+                f"AutoSPStrategy(pretrained={pretrained!r}): pass a dict from a LightningModule attribute built in "
+                "configure_model to its weights ({'model': '/path/to/hf_model_dir'}; '' for the LightningModule itself), "
+                "with fsdp=True or 'hybrid': each rank then reads only its shards."
+            )
+        self._pretrained = dict(pretrained or {})
         if self._fsdp is not None:
             given = dict(ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook, ddp_comm_wrapper=ddp_comm_wrapper, model_averaging_period=model_averaging_period)
             ddp_only = [name for name in DDP_ONLY_ARGUMENTS if given[name] is not None] + sorted(kwargs)
@@ -364,24 +369,49 @@ class AutoSPStrategy(DDPStrategy):
         with torch.device("meta"), self.precision_plugin.tensor_init_context():
             yield
 
+    def _sharding_policy(self) -> ShardingPolicy:
+        assert self._fsdp is not None and self._shard_mesh is not None
+        return self._fsdp.policy(self._shard_mesh, self.precision_plugin.precision)
+
     @override
     def model_to_device(self) -> None:
+        """Sharded: a model built on the meta device gets its values shard by shard
+        (:mod:`lightning_autosp.sharded_init`) - read from ``pretrained`` weights, or from its own
+        initialisers one unit at a time - so no rank holds more of it than its shards and one
+        unit."""
         assert self.model is not None
-        if self._fsdp is not None and has_meta_tensors(self.model):
-            n = materialize_meta(self.model, self.root_device)
-            rank_zero_info(f"AutoSP: initialised {n} tensors of the model built on the meta device on {self.root_device}")
-        super().model_to_device()
+        module = self.lightning_module
+        if self._fsdp is None or module is None or not has_meta_tensors(self.model):
+            return super().model_to_device()
+        move_real_tensors(self.model, self.root_device)
+        policy = self._sharding_policy()
+        for attr, path in self._pretrained.items():
+            part = module if attr == "" else getattr(module, attr, None)
+            if not isinstance(part, torch.nn.Module) or not has_meta_tensors(part):
+                raise AutoSPError(
+                    f"AutoSPStrategy(pretrained={{{attr!r}: ...}}): the LightningModule's `{attr}` must be a module built on "
+                    "the meta device: build it in configure_model (AutoSP builds it there without memory, then reads "
+                    "each rank's shard of the weights)."
+                )
+            n = load_pretrained(part, path, policy, self.root_device, strict=module.strict_loading)
+            rank_zero_info(f"AutoSP: read {n} tensors of `{attr}` from {path}, each rank its shards")
+        report = materialize_sharded(self.model, self.root_device, policy)
+        if report.units:
+            rank_zero_info(
+                f"AutoSP: initialised the model built on the meta device on {self.root_device} in {report.units} unit(s) "
+                f"of at most {report.largest_unit_bytes / 2**20:.1f} MiB (model {report.model_bytes / 2**20:.1f} MiB), "
+                "each sharded before the next"
+            )
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self._fsdp is None:
             return super()._setup_model(model)
-        assert self._shard_mesh is not None
-        broadcast_module(model)  # rank 0's initial values everywhere, as DDP does
-        policy = self._fsdp.policy(self._shard_mesh, self.precision_plugin.precision)
+        broadcast_module(model)  # rank 0's initial values everywhere, as DDP does (shards stay)
+        policy = self._sharding_policy()
         n = shard_module(model, policy)
         dtypes = f", gathered in {policy.param_dtype}, reduced in {policy.reduce_dtype}" if policy.param_dtype else ""
-        rank_zero_info(f"AutoSP: {n} parameters sharded as DTensors over {self._shard_mesh} (fsdp={self.fsdp!r}){dtypes}")
+        rank_zero_info(f"AutoSP: {sum(1 for _ in model.parameters())} parameters sharded as DTensors over {self._shard_mesh} (fsdp={self.fsdp!r}{dtypes}; {n} in setup)")
         return model
 
     @override

@@ -341,6 +341,7 @@ def run_fit(
     callbacks: Sequence[L.Callback] = (),
     ckpt_path: Optional[str] = None,
     chunked_loss: Any = True,
+    pretrained: Optional[dict] = None,
 ) -> Run:
     """Fit on ``devices`` forked CPU processes; ``sp_size=None`` means plain DDP."""
     os.environ["MASTER_PORT"] = str(free_port())
@@ -350,7 +351,7 @@ def run_fit(
         strategy: Any = L.pytorch.strategies.DDPStrategy(start_method="fork")
     else:
         strategy = AutoSPStrategy(
-            sp_size=sp_size, compile_backend=backend, start_method="fork", sac=sac, fsdp=fsdp, chunked_loss=chunked_loss
+            sp_size=sp_size, compile_backend=backend, start_method="fork", sac=sac, fsdp=fsdp, chunked_loss=chunked_loss, pretrained=pretrained
         )
     trainer = L.Trainer(
         accelerator="cpu",

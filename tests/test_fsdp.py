@@ -122,15 +122,60 @@ def test_sharded_matches_single_device(tmp_path, kind, devices, sp_size, clip, i
     assert bad_grad > 100 * TOL and bad_param > 100 * TOL
 
 
-def test_sharded_hugging_face_llama_matches_single_device(tmp_path):
-    from test_any_model import PaddedData, hf_loss, hf_model
+class _FromConfig(FnModule):
+    """The large-model way: the model built in ``configure_model`` (on meta with fsdp)."""
 
-    factory = hf_model("llama")
-    run = run_fit(tmp_path, FnModule(factory, hf_loss, lr=LR, optimizer="adamw", log_loss=False), PaddedData(8, 32, "right"), 2, 2, fsdp=True)
+    def __init__(self, factory, loss_fn, **kwargs):
+        super().__init__(lambda: None, loss_fn, **kwargs)
+        self.factory = factory
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = self.factory()
+
+
+def _hf_llama_tied():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(7)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, attn_implementation="sdpa", tie_word_embeddings=True,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_sharded_fine_tune_from_hugging_face_weights_matches_single_device(tmp_path):
+    """A fine-tune as a Hugging Face user starts one: a Llama (tied embeddings) saved with
+    ``save_pretrained`` (safetensors, the tied head stored once), built from its config in
+    ``configure_model`` (meta) and read with ``pretrained={"model": dir}``, each rank reading the
+    rows of its shards. The weights it starts from are the saved ones (a freshly built model's
+    differ: negative control), and losses, gradients and the parameters after 3 AdamW steps equal
+    one device starting from them."""
+    from test_any_model import PaddedData, hf_loss
+
+    trained = _hf_llama_tied()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    trained.save_pretrained(tmp_path / "hf")
+    saved = {k: v.clone() for k, v in trained.state_dict().items()}
+    assert not (tmp_path / "hf" / "pytorch_model.bin").exists() and list((tmp_path / "hf").glob("*.safetensors"))
+
+    def factory():
+        model = _hf_llama_tied()
+        model.load_state_dict(saved)
+        return model
+
+    module = _FromConfig(_hf_llama_tied, hf_loss, lr=LR, optimizer="adamw", log_loss=False)
+    run = run_fit(tmp_path, module, PaddedData(8, 32, "right"), 2, 2, fsdp=True, pretrained={"model": str(tmp_path / "hf")})
+    initial = run.ranks[0]["initial"]
+    assert sorted(initial) == sorted(saved) and all(torch.equal(initial[k], v) for k, v in saved.items())
+    fresh = _hf_llama_tied().state_dict()
+    assert not torch.equal(fresh["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
     final: dict = {}
     ref_losses, ref_grads = reference_fn(factory, hf_loss, run, 2, lr=LR, optimizer="adamw", final=final)
     loss_err, grad_err, param_err = _errors(run, 2, ref_losses, ref_grads, final)
-    print(f"fsdp HF llama sp=2: loss {loss_err:.2e}, grads {grad_err:.2e}, params {param_err:.2e}")
+    print(f"fsdp HF llama from pretrained, sp=2: loss {loss_err:.2e}, grads {grad_err:.2e}, params {param_err:.2e}")
     assert loss_err <= TOL and grad_err <= TOL and param_err <= TOL
 
 
@@ -226,7 +271,7 @@ def test_materialize_meta_runs_the_models_own_initialisers():
     from test_any_model import hf_model
 
     from lightning_autosp import AutoSPError
-    from lightning_autosp.fsdp import has_meta_tensors, materialize_meta
+    from lightning_autosp.sharded_init import has_meta_tensors, materialize_meta
 
     with torch.device("meta"):
         gpt = make_model("gpt")
@@ -325,7 +370,7 @@ class _UserCode(LMModule):
 
 def test_user_code_sees_what_it_sees_on_one_device(tmp_path):
     """The issue's table, sharded against replicated (GPT with biases, sp=2, one step): the same
-    weight-decay groups (10 matrices decayed, 13 vectors not... counted from the model), names,
+    weight-decay groups (for the 1-layer GPT: 6 matrices decayed, 10 vectors not), names,
     shapes, and gradient norms logged per parameter and in total, on every rank. Negative
     controls: flat 1-D shards would decay nothing, and one rank's shards have another norm.
     Lightning's own ``grad_norm`` cannot read DTensor gradients: it raises (not a silent wrong
@@ -482,3 +527,100 @@ def test_hybrid_sharding_two_nodes_matches_single_device(tmp_path):
     bad_final: dict = {}
     bad = reference("llama", shifted, 2, **{**kwargs, "final": bad_final})
     assert min(_errors(run, 2, *bad, bad_final)[1:]) > 100 * TOL
+
+
+class _Block(torch.nn.Module):
+    """A block with its own initialiser (over its children's defaults)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        _Block.materialized.append(sum(p.numel() for p in _Block.model.parameters() if not p.is_meta and not hasattr(p, "to_local")))
+        torch.nn.init.normal_(self.up.weight, std=0.02)
+        torch.nn.init.zeros_(self.down.bias)
+
+    materialized: list = []
+    model: torch.nn.Module = torch.nn.Module()
+
+
+def _stack(layers=4, dim=16, vocab=50):
+    """No root initialiser: every unit initialises itself (an embedding, the blocks, a norm, a head)."""
+    return torch.nn.Sequential(torch.nn.Embedding(vocab, dim), *[_Block(dim) for _ in range(layers)], torch.nn.LayerNorm(dim), torch.nn.Linear(dim, vocab))
+
+
+def _build_sharded(rank, world, path):
+    """Unit by unit from meta: the values of one device built for real with the same seed, while a
+    rank holds at most one unit whole; then a Llama read from a one-file state dict (its RoPE table,
+    a non-persistent buffer, recomputed by its initialiser), and files that do not fit."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_autosp import AutoSPError
+    from lightning_autosp.fsdp import ShardingPolicy, full_state_dict, shard_module
+    from lightning_autosp.sharded_init import load_pretrained, materialize_sharded
+
+    policy = ShardingPolicy(DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+    torch.manual_seed(0)
+    ref = _stack()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = _stack()
+    _Block.model, _Block.materialized = model, []
+    report = materialize_sharded(model, torch.device("cpu"), policy)
+    shard_module(model, policy)
+    built = full_state_dict(model)
+    out = {
+        "units": report.units, "largest": report.largest_unit_bytes, "model_bytes": report.model_bytes,
+        "materialized": list(_Block.materialized), "block": sum(p.numel() for p in ref[1].parameters()),
+        "equal": sorted(built) == sorted(ref.state_dict()) and all(torch.equal(built[k], v) for k, v in ref.state_dict().items()),
+    }
+    llama = make_model("llama", 1)
+    with torch.no_grad():
+        for p in llama.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    if rank == 0:
+        torch.save(llama.state_dict(), path)
+    dist.barrier()
+    with torch.device("meta"):
+        again = make_model("llama", 1)
+    out["read"] = load_pretrained(again, path, policy, torch.device("cpu"))
+    shard_module(again, policy)
+    loaded = full_state_dict(again)
+    out["llama_equal"] = all(torch.equal(loaded[k], v) for k, v in llama.state_dict().items())
+    out["rope_equal"] = torch.equal(again.inv_freq, llama.inv_freq)
+    errors = []
+    for state in ({k: v for k, v in llama.state_dict().items() if "wq" not in k}, {**llama.state_dict(), "norm.weight": torch.ones(3)}):
+        dist.barrier()
+        if rank == 0:
+            torch.save(state, path)
+        dist.barrier()
+        with torch.device("meta"):
+            bad = make_model("llama", 1)
+        try:
+            load_pretrained(bad, path, policy, torch.device("cpu"))
+        except AutoSPError as exc:
+            errors.append(str(exc))
+    out["errors"] = errors
+    return out
+
+
+def test_meta_model_built_unit_by_unit_and_read_from_a_file(tmp_path):
+    """Item 6 without a GPU: a model whose every part has its own initialiser is materialised one
+    unit at a time (an embedding, 4 blocks, a norm, a head: 7 units), each sharded before the next,
+    so at a block's initialiser at most that block's parameters are whole on a rank (the
+    materialised-but-unsharded count, recorded from inside the initialisers); its values are those
+    of one device built for real with the same seed. A Llama read from a one-file state dict gets
+    every weight and its RoPE table; files that lack a weight or hold another shape are refused
+    naming it."""
+    from sp_harness import spawn
+
+    for r in spawn(tmp_path, _build_sharded, 2, str(tmp_path / "llama.pt")):
+        assert r["units"] == 7 and r["equal"], r
+        assert r["materialized"] and max(r["materialized"]) <= r["block"], (r["materialized"], r["block"])
+        assert r["largest"] == 4 * r["block"] < r["model_bytes"] / 3
+        assert r["llama_equal"] and r["rope_equal"] and r["read"] == len(make_model("llama", 1).state_dict())
+        assert "lack 1 parameter(s)" in r["errors"][0] and "layers.0.attention.wq.weight" in r["errors"][0]
+        assert "shapes differ: norm.weight: file [3], model [32]" in r["errors"][1]
