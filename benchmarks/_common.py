@@ -192,13 +192,17 @@ class SavedBytes:
     storage once, leaving out ``exclude`` (parameters and inputs)."""
 
     def __init__(self, exclude: list[torch.Tensor]) -> None:
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        from lightning_autosp.fsdp import local_tensor  # (a sharded parameter's storage is its shard's)
+
+        self.exclude = {local_tensor(t).untyped_storage().data_ptr() for t in exclude}
         self.kept: dict[int, int] = {}
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self.exclude:
-            self.kept[ptr] = t.untyped_storage().nbytes()
+        from lightning_autosp.fsdp import local_tensor
+
+        storage = local_tensor(t).untyped_storage()
+        if storage.data_ptr() not in self.exclude:
+            self.kept[storage.data_ptr()] = storage.nbytes()
         return t
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:

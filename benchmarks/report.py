@@ -25,6 +25,7 @@ import _common
 import checkpoint_io
 import compile_time
 import gpu_check
+import sharded_mode
 import sp_throughput
 import torch
 import trainability
@@ -46,6 +47,8 @@ def run_all() -> None:
     sp_throughput.main(["--out", str(RESULTS / "sp_throughput.json"), "--plot", str(RESULTS / "sp_memory.png")])
     trainability.main(["--out", str(RESULTS / "trainability.json"), "--plot", str(RESULTS / "trainability.png")])
     checkpoint_io.main(["--out", str(RESULTS / "checkpoint_io.json")])
+    sp_throughput.main(["--variants", "autosp_sac", "autosp_sac_fsdp", "--long-seq-len", "0", "--out", str(RESULTS / "sp_throughput_fsdp.json")])
+    sharded_mode.main(["--out", str(RESULTS / "sharded_mode.json")])
     vocab_loss.main(["--out", str(RESULTS / "vocab_loss.json")])
     compile_time.main(["--out", str(RESULTS / "compile_time.json")])
     if torch.cuda.is_available():
@@ -120,6 +123,25 @@ def _impls(tp: dict) -> str:
     return " / ".join(sorted({run["ulysses"] for run in tp["runs"].values()}))
 
 
+def _previous_checkpoints(ckpt: dict) -> str:
+    """The sharded rows of the format before DCP (lightning-autosp 0.1's own shard files, kept in
+    ``checkpoint_io_own_format.json``) next to this run's, each as a ratio to its own run's
+    replicated row (the runs may be on other machines)."""
+    old = _load("checkpoint_io_own_format")
+    if not old:
+        return ""
+    ratios = []
+    for results in (old, ckpt):
+        rep, sh = results["rows"]["replicated"], results["rows"]["sharded"]
+        ratios.append((sh["save_s"], sh["load_s"], sh["save_s"] / rep["save_s"], sh["load_s"] / rep["load_s"]))
+    (os_, ol, osr, olr), (ns, nl, nsr, nlr) = ratios
+    return (
+        f"Against the sharded format before DCP (lightning-autosp 0.1's own shard files, the same script, results kept in "
+        f"`benchmarks/results/checkpoint_io_own_format.json`): save {os_:.2f} s -> {ns:.2f} s, load {ol:.2f} s -> {nl:.2f} s; "
+        f"as a ratio to the replicated row of each run, save {osr:.2f}x -> {nsr:.2f}x, load {olr:.2f}x -> {nlr:.2f}x."
+    )
+
+
 def render() -> str:
     tp, tr, gpu, ckpt = _load("sp_throughput"), _load("trainability"), _load("gpu_check"), _load("checkpoint_io")
     vocab, ct = _load("vocab_loss"), _load("compile_time")
@@ -135,11 +157,17 @@ def render() -> str:
     if tr:
         page.append(t["trainability"].substitute(table=trainability.markdown(tr)))
     if ckpt:
-        page.append(t["checkpoints"].substitute(table=checkpoint_io.markdown(ckpt)))
+        page.append(t["checkpoints"].substitute(table=checkpoint_io.markdown(ckpt), previous=_previous_checkpoints(ckpt)))
     if vocab:
         page.append(t["vocab_loss"].substitute(table=vocab_loss.markdown(vocab)))
     if ct:
         page.append(t["compile_time"].substitute(table=compile_time.markdown(ct), wall_min=f"{ct['wall_s'] / 60:.0f}"))
+    tp_fsdp, sm = _load("sp_throughput_fsdp"), _load("sharded_mode")
+    if tp_fsdp and sm:
+        page.append(t["sharded"].substitute(
+            throughput=sp_throughput.markdown(tp_fsdp), table=sharded_mode.markdown(sm),
+            tp_wall_min=f"{tp_fsdp['wall_s'] / 60:.0f}", sm_wall_min=f"{sm['wall_s'] / 60:.0f}",
+        ))
     page.append(t["gpu"].substitute())
     if gpu:
         page.append(t["gpu_results"].substitute(device=gpu["device"], machine=gpu["machine"], table=gpu_check.markdown(gpu)))

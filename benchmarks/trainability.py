@@ -19,9 +19,10 @@ search finds). Assumptions (printed with the results):
   gradients before their reduce-scatter; ``autosp_fsdp``: ``AutoSPStrategy(fsdp=True)``, the
   same 16 bytes per parameter sharded over all 8 ranks but held as fp32 parameter and gradient
   shards and two fp32 moments (``bf16-mixed`` keeps fp32 parameters), plus, for the largest
-  module, its fp32 gathered parameters, their bf16 autocast copies and its unsharded fp32
-  gradients (10 bytes per parameter; gathers are issued where each weight is used and
-  gathered again in backward, no prefetch assumed; not yet measured on a GPU); ``ddp``: every
+  module, its parameters gathered in bf16 (``bf16-mixed`` gathers in bfloat16, one bucket per
+  block) and its unsharded fp32 gradients before their reduce-scatter (6 bytes per parameter;
+  a block's bucket is gathered where the block starts and again in backward, no prefetch
+  assumed; not yet measured on a GPU); ``ddp``: every
   rank holds everything (``AutoSPStrategy(fsdp=False)``, the default);
 * batch 1 sequence per SP group (SP variants) or per rank (no SP); causal attention with a
   fused kernel that keeps only its output and log-sum-exp (the CPU flash kernel is traced;
@@ -89,7 +90,7 @@ def static_bytes(params: dict[str, int], setting: str, world: int) -> dict[str, 
     n, largest = params["total"], max(params["layer"], params["embedding"])
     if setting == "autosp_fsdp":  # fp32 shards (parameter, gradient, two moments)
         out = {"parameters": 4 * n // world, "gradients": 4 * n // world, "optimizer": 8 * n // world}
-        out["gathered"] = (4 + 2 + 4) * largest  # fp32 gather + bf16 copy + fp32 gradient
+        out["gathered"] = (2 + 4) * largest  # the bf16 gather + the fp32 gradient before its reduce-scatter
         out["total"] = sum(out.values())
         return out
     shard = world if setting == "zero3" else 1

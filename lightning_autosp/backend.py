@@ -214,12 +214,11 @@ class AutoSPBackend:
         return LocalShapeCompiled(compile_one, local, values, gm.meta["autosp"].seq_symbol, on_call)
 
     def _compile_aot(self, gm: fx.GraphModule, example_inputs: list[Any], partitioner: SACPartitioner) -> Callable:
-        bucketing = _BucketPass(self.bucket_stats) if self.bucket_collectives else None
+        bucketing = _BucketPass(self.bucket_stats, merge=self.bucket_collectives)
         if self.backend == "aot_eager":
             # torch's aot_eager, with our partition function (and bucketing of the graphs it makes)
             def nop(graph: fx.GraphModule, inputs: list[Any]) -> Callable:
-                if bucketing is not None:
-                    bucketing(graph.graph)
+                bucketing(graph.graph)
                 return boxed_nop(graph, inputs)
 
             return aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partitioner, keep_inference_input_mutations=True)(gm, example_inputs)
@@ -227,9 +226,7 @@ class AutoSPBackend:
 
         # The AOT autograd cache would skip partitioning (and so our records) on a hit; inductor's
         # FX graph cache still serves the compiled kernels.
-        patches: dict[str, Any] = {"custom_partitioner_fn": partitioner}
-        if bucketing is not None:
-            patches["post_grad_custom_post_pass"] = bucketing
+        patches: dict[str, Any] = {"custom_partitioner_fn": partitioner, "post_grad_custom_post_pass": bucketing}
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(gm, example_inputs, config_patches=patches)
 
@@ -260,20 +257,20 @@ class AutoSPBackend:
 class _BucketPass(CustomGraphPass):
     """:func:`~lightning_autosp.passes.bucketing.bucket_parameter_collectives_pass` on each
     partitioned graph (inductor's ``post_grad_custom_post_pass``, or before aot_eager runs it);
-    appends each graph's :class:`BucketStats` to ``stats``."""
+    appends each graph's :class:`BucketStats` to ``stats``; ``merge=False`` only counts."""
 
-    def __init__(self, stats: list[BucketStats]) -> None:
-        self.stats = stats
+    def __init__(self, stats: list[BucketStats], merge: bool = True) -> None:
+        self.stats, self.merge = stats, merge
 
     def __call__(self, graph: fx.Graph) -> None:
         stats = BucketStats()
-        bucket_parameter_collectives_pass(graph.owning_module, stats)
+        bucket_parameter_collectives_pass(graph.owning_module, stats, merge=self.merge)
         self.stats.append(stats)
 
     def uuid(self) -> Any:
         from lightning_autosp.passes import bucketing
 
-        return get_hash_for_files((bucketing.__file__,))
+        return (get_hash_for_files((bucketing.__file__,)), self.merge)
 
 
 def _example_values(gm: fx.GraphModule) -> list[Any]:

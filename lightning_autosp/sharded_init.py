@@ -12,11 +12,13 @@ under ``Trainer.init_module()``.
 * Read from pretrained weights (:func:`load_pretrained`): a Hugging Face directory of
   ``*.safetensors`` files, one ``.safetensors`` file, or a ``torch.save``-d state dict (or
   Lightning checkpoint). The parameters become unfilled shards and each rank reads only the rows
-  of its shard (safetensors slices; a memory-mapped torch file), so its peak is its shard.
+  of its shard (plain reads of the safetensors bytes; a memory-mapped torch file), so what it
+  holds is its shard.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,10 @@ import torch.nn as nn
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.fsdp import ShardingPolicy, _local_rows, broadcast_module, shard_parameters
 
-__all__ = ["has_meta_tensors", "move_real_tensors", "materialize_meta", "init_units", "materialize_sharded", "load_pretrained", "WeightsFile"]
+__all__ = [
+    "has_meta_tensors", "move_real_tensors", "materialize_meta", "init_units", "materialize_sharded", "load_pretrained",
+    "load_whole", "WeightsFile",
+]
 
 log = logging.getLogger(__name__)
 
@@ -210,27 +215,59 @@ def materialize_sharded(module: nn.Module, device: torch.device, policy: Shardin
 
 
 # ---------------------------------------------------------------------------------- pretrained weights
+#: safetensors dtype names (the format's header) -> torch dtypes
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class _SafetensorsFile:
+    """One ``.safetensors`` file read by rows with plain file reads into new tensors: nothing is
+    memory-mapped, so a rank's resident memory grows by what it reads and no more. The format:
+    an 8-byte little-endian header length, a JSON header (``name -> {dtype, shape,
+    data_offsets}``), then the tensors' bytes, row-major."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+        except (OSError, ValueError) as exc:
+            raise AutoSPError(f"cannot read the safetensors header of {path}: {type(exc).__name__}: {exc}") from exc
+        header.pop("__metadata__", None)
+        self.start = 8 + size
+        self.entries = {name: (_SAFETENSORS_DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"][0]) for name, e in header.items()}
+
+    def read(self, name: str, rows: Optional[tuple[int, int]]) -> torch.Tensor:
+        dtype, shape, offset = self.entries[name]
+        row_bytes = dtype.itemsize * (int(torch.Size(shape[1:]).numel()) if shape else 1)
+        first, last = rows if rows is not None and shape else (0, shape[0] if shape else 1)
+        out = torch.empty((last - first) * row_bytes, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self.start + offset + first * row_bytes)
+            if out.numel() and f.readinto(out.numpy()) != out.numel():
+                raise AutoSPError(f"{self.path} is truncated: {name} ends past the end of the file.")
+        return out.view(dtype).reshape((last - first, *shape[1:]) if shape else ())
+
+
 class WeightsFile:
     """Pretrained weights opened for reading rows: a directory of ``*.safetensors`` files (a
-    Hugging Face checkpoint), one ``.safetensors`` file, or a ``torch.save``-d state dict or
-    Lightning checkpoint (its ``state_dict``), memory-mapped."""
+    Hugging Face checkpoint) or one ``.safetensors`` file (read with plain reads, only the rows
+    asked for), or a ``torch.save``-d state dict or Lightning checkpoint (its ``state_dict``,
+    memory-mapped)."""
 
     def __init__(self, path: Any):
         self.path = Path(path)
-        self._files: dict[str, Any] = {}  # name -> safetensors handle
+        self._files: dict[str, _SafetensorsFile] = {}  # tensor name -> its file
         self._state: Optional[dict[str, torch.Tensor]] = None
         if not self.path.exists():
             raise AutoSPError(f"pretrained weights {self.path} do not exist.")
         files = sorted(self.path.glob("*.safetensors")) if self.path.is_dir() else [self.path] if self.path.suffix == ".safetensors" else []
         if files:
-            try:
-                from safetensors import safe_open
-            except ImportError as exc:
-                raise AutoSPError(f"reading {self.path} needs the safetensors package: pip install safetensors") from exc
-            for file in files:
-                handle = safe_open(str(file), framework="pt")
-                for name in handle.keys():
-                    self._files[name] = handle
+            for file in map(_SafetensorsFile, files):
+                self._files.update(dict.fromkeys(file.entries, file))
         elif self.path.is_dir():
             raise AutoSPError(f"pretrained weights {self.path}: a directory without *.safetensors files.")
         else:
@@ -247,18 +284,14 @@ class WeightsFile:
         return set(self._files) if self._state is None else set(self._state)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if self._state is not None:
-            return tuple(self._state[name].shape)
-        return tuple(self._files[name].get_slice(name).get_shape())
+        return tuple(self._state[name].shape) if self._state is not None else self._files[name].entries[name][1]
 
     def read(self, name: str, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
         """Tensor ``name``, or only rows ``[start, stop)`` of it (the others are not read)."""
         if self._state is not None:
             t = self._state[name]
             return t if rows is None or t.dim() == 0 else t[rows[0] : rows[1]]
-        if rows is None:
-            return self._files[name].get_tensor(name)
-        return self._files[name].get_slice(name)[rows[0] : rows[1]]
+        return self._files[name].read(name, rows)
 
 
 def load_pretrained(module: nn.Module, source: Any, policy: ShardingPolicy, device: torch.device, strict: bool = True) -> int:
@@ -271,11 +304,8 @@ def load_pretrained(module: nn.Module, source: Any, policy: ShardingPolicy, devi
     does not hold to the model's initialisers."""
     weights = source if isinstance(source, WeightsFile) else WeightsFile(source)
     have = weights.names()
-    names: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-        params[id(p)] = p
+    names = _name_groups(module)
+    params = {id(p): p for p in module.parameters()}
     wrong = [f"{n}: file {list(weights.shape(n))}, model {list(params[i].shape)}" for i, ns in names.items() for n in ns if n in have and weights.shape(n) != tuple(params[i].shape)]
     missing = [ns[0] for i, ns in names.items() if not any(n in have for n in ns)]
     persistent = {n for n, _ in module.named_buffers()} & set(module.state_dict())
@@ -294,6 +324,33 @@ def load_pretrained(module: nn.Module, source: Any, policy: ShardingPolicy, devi
         shard_parameters(module, policy, device=device)  # unfilled shards, no full tensor anywhere
         _init_buffers(module, device)
     return _read_into(module, weights, groups, policy, persistent)
+
+
+def load_whole(module: nn.Module, source: Any, strict: bool = True) -> int:
+    """``module.load_state_dict`` from pretrained weights (:class:`WeightsFile`): for a replica
+    (a run that does not shard, such as ``trainer.validate``); return how many tensors were read."""
+    from lightning_autosp.checkpoint import check_fits
+
+    weights = source if isinstance(source, WeightsFile) else WeightsFile(source)
+    have, wanted = weights.names(), module.state_dict()
+    groups = _name_groups(module)
+    state = {name: weights.read(name) for name in have if name in wanted or strict}
+    for group in groups.values():  # a tied parameter stored once, under one of its names
+        source = next((n for n in group if n in have), None)
+        for name in group:
+            if source is not None and name not in state:
+                state[name] = state[source]
+    check_fits(state, wanted, strict, f"pretrained weights {weights.path}")
+    module.load_state_dict(state, strict=False)
+    return len(state)
+
+
+def _name_groups(module: nn.Module) -> dict[int, list[str]]:
+    """The names of each parameter of ``module`` (several where it is tied), by its id."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
 
 
 def _read_into(module: nn.Module, weights: WeightsFile, groups: list[list[str]], policy: ShardingPolicy, persistent: set[str]) -> int:

@@ -16,7 +16,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from torch.utils._pytree import keystr, tree_flatten_with_path
@@ -38,7 +38,7 @@ from lightning_autosp.fsdp import DDP_ONLY_ARGUMENTS, FSDPConfig, ShardingPolicy
 from lightning_autosp.layout import SPLayout, check_sequence_fits, validate_layout, validate_sp_size
 from lightning_autosp.passes.sac import SACConfig
 from lightning_autosp.sampler import make_resumable
-from lightning_autosp.sharded_init import has_meta_tensors, load_pretrained, materialize_sharded, move_real_tensors
+from lightning_autosp.sharded_init import has_meta_tensors, load_pretrained, load_whole, materialize_meta, materialize_sharded, move_real_tensors
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -381,20 +381,20 @@ class AutoSPStrategy(DDPStrategy):
         unit."""
         assert self.model is not None
         module = self.lightning_module
+        parts = {attr: self._pretrained_part(attr) for attr in self._pretrained}  # (each must be on meta)
         if self._fsdp is None or module is None or not has_meta_tensors(self.model):
+            return super().model_to_device()
+        if module.trainer.state.fn != TrainerFn.FITTING:  # validate/test/predict: replicas, not sharded
+            n = materialize_meta(self.model, self.root_device)
+            rank_zero_info(f"AutoSP: initialised {n} tensors of the model built on the meta device on {self.root_device}")
+            for attr, part in parts.items():
+                load_whole(part, self._pretrained[attr], strict=module.strict_loading)
             return super().model_to_device()
         move_real_tensors(self.model, self.root_device)
         policy = self._sharding_policy()
-        for attr, path in self._pretrained.items():
-            part = module if attr == "" else getattr(module, attr, None)
-            if not isinstance(part, torch.nn.Module) or not has_meta_tensors(part):
-                raise AutoSPError(
-                    f"AutoSPStrategy(pretrained={{{attr!r}: ...}}): the LightningModule's `{attr}` must be a module built on "
-                    "the meta device: build it in configure_model (AutoSP builds it there without memory, then reads "
-                    "each rank's shard of the weights)."
-                )
-            n = load_pretrained(part, path, policy, self.root_device, strict=module.strict_loading)
-            rank_zero_info(f"AutoSP: read {n} tensors of `{attr}` from {path}, each rank its shards")
+        for attr, part in parts.items():
+            n = load_pretrained(part, self._pretrained[attr], policy, self.root_device, strict=module.strict_loading)
+            rank_zero_info(f"AutoSP: read {n} tensors of `{attr}` from {self._pretrained[attr]}, each rank its shards")
         report = materialize_sharded(self.model, self.root_device, policy)
         if report.units:
             rank_zero_info(
@@ -402,6 +402,17 @@ class AutoSPStrategy(DDPStrategy):
                 f"of at most {report.largest_unit_bytes / 2**20:.1f} MiB (model {report.model_bytes / 2**20:.1f} MiB), "
                 "each sharded before the next"
             )
+
+    def _pretrained_part(self, attr: str) -> torch.nn.Module:
+        module = self.lightning_module
+        part = module if attr == "" else getattr(module, attr, None)
+        if not isinstance(part, torch.nn.Module) or not has_meta_tensors(part):
+            raise AutoSPError(
+                f"AutoSPStrategy(pretrained={{{attr!r}: ...}}): the LightningModule's `{attr}` must be a module built on "
+                "the meta device: build it in configure_model (AutoSP builds it there without memory, then reads "
+                "each rank's shard of the weights)."
+            )
+        return part
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -305,15 +305,16 @@ class Run:
         return len(self.ranks)
 
 
-def run_eval(tmp_path: Path, module: L.LightningModule, data: Dataset, devices: int, sp_size: int, stage: str) -> Run:
-    """``trainer.validate/test/predict`` on ``devices`` forked CPU processes under AutoSP."""
+def run_eval(tmp_path: Path, module: L.LightningModule, data: Dataset, devices: int, sp_size: int, stage: str, **strategy_kwargs: Any) -> Run:
+    """``trainer.validate/test/predict`` on ``devices`` forked CPU processes under AutoSP
+    (``strategy_kwargs``: further ``AutoSPStrategy`` arguments)."""
     os.environ["MASTER_PORT"] = str(free_port())
     out = tmp_path / f"eval_{stage}_{devices}_{sp_size}"
     out.mkdir()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=AutoSPStrategy(sp_size=sp_size, compile_backend="aot_eager", start_method="fork"),
+        strategy=AutoSPStrategy(sp_size=sp_size, compile_backend="aot_eager", start_method="fork", **strategy_kwargs),
         callbacks=[Recorder(str(out))],
         logger=False,
         enable_progress_bar=False,

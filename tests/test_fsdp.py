@@ -178,6 +178,16 @@ def test_sharded_fine_tune_from_hugging_face_weights_matches_single_device(tmp_p
     print(f"fsdp HF llama from pretrained, sp=2: loss {loss_err:.2e}, grads {grad_err:.2e}, params {param_err:.2e}")
     assert loss_err <= TOL and grad_err <= TOL and param_err <= TOL
 
+    # trainer.test without fit: the model is built whole on every rank (no sharding outside fit)
+    # and the weights read whole; the test losses are one device's on those weights
+    from sp_harness import run_eval
+
+    tested = run_eval(tmp_path, _FromConfig(_hf_llama_tied, hf_loss), PaddedData(4, 32, "right"), 2, 2, "test", fsdp=True, pretrained={"model": str(tmp_path / "hf")})
+    model = factory()
+    for rec in tested.ranks:
+        for loss, batch in zip(rec["test_losses"], rec["eval_batches"]):
+            assert loss == pytest.approx(hf_loss(model, batch).item(), rel=1e-5)
+
 
 def _shard_roundtrip(rank, world):
     import torch.distributed as dist
@@ -624,3 +634,23 @@ def test_meta_model_built_unit_by_unit_and_read_from_a_file(tmp_path):
         assert r["llama_equal"] and r["rope_equal"] and r["read"] == len(make_model("llama", 1).state_dict())
         assert "lack 1 parameter(s)" in r["errors"][0] and "layers.0.attention.wq.weight" in r["errors"][0]
         assert "shapes differ: norm.weight: file [3], model [32]" in r["errors"][1]
+
+
+def test_pretrained_needs_a_model_built_on_meta():
+    """``pretrained`` names an attribute built in ``configure_model`` (on meta with fsdp); one
+    built for real would keep its values, so it is refused, not ignored; without fsdp, or not a
+    dict, it is a ValueError at construction."""
+    import lightning as L
+
+    from lightning_autosp import AutoSPError, AutoSPStrategy
+
+    with pytest.raises(ValueError, match=r"pretrained='x'.*dict from a LightningModule attribute.*fsdp=True"):
+        AutoSPStrategy(fsdp=True, pretrained="x")
+    with pytest.raises(ValueError, match=r"pretrained=\{'model': 'x'\}.*with fsdp=True or 'hybrid'"):
+        AutoSPStrategy(pretrained={"model": "x"})
+    strategy = AutoSPStrategy(sp_size=1, fsdp=True, pretrained={"model": "unused"})
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, max_steps=1)
+    module = LMModule("gpt", layers=1)  # built in __init__, for real
+    trainer.strategy._lightning_module = module
+    with pytest.raises(AutoSPError, match=r"pretrained=\{'model': \.\.\.\}.*must be a module built on the meta device.*configure_model"):
+        trainer.strategy.model_to_device()

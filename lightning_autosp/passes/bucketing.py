@@ -122,12 +122,13 @@ def parameter_collective_buckets(gm: fx.GraphModule) -> tuple[list[list[fx.Node]
     return _runs(gathers, gather_key), _runs(scatters, scatter_key)
 
 
-def bucket_parameter_collectives_pass(gm: fx.GraphModule, stats: Optional[BucketStats] = None) -> fx.GraphModule:
+def bucket_parameter_collectives_pass(gm: fx.GraphModule, stats: Optional[BucketStats] = None, merge: bool = True) -> fx.GraphModule:
     """Merge the parameter all-gathers and reduce-scatters of ``gm`` per block (in place; see
-    the module docstring). ``stats``, if given, receives the counts before and after."""
+    the module docstring). ``stats``, if given, receives the counts before and after;
+    ``merge=False`` only counts (the buckets then are the collectives themselves)."""
     from lightning_autosp._compat import merge_collective_buckets
 
-    gather_buckets, scatter_buckets = parameter_collective_buckets(gm)
+    gather_buckets, scatter_buckets = parameter_collective_buckets(gm) if merge else ([], [])
     if stats is not None:
         nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
         gathers = [n for n in nodes if gathered_input(n) is not None]
