@@ -17,10 +17,10 @@ mesh has two dims, ``("replicate", "shard")``: shards within a node, replicas ac
 A module that holds parameters gets a subclass of its own class (``Sharded<Name>``) whose
 parameter names are properties: reading ``linear.weight`` in a forward (compiled, or eager:
 forward hooks on every module of the tree count the forwards running) returns the full weight,
-and anywhere else the parameter itself. The full weight is ``redistribute``-d to ``Replicate`` (an all-gather, in ``param_dtype`` if set) and
-taken ``to_local`` with ``Partial("avg")`` gradients, so autograd derives a reduce-scatter (in
-``reduce_dtype``) that leaves each rank the world-average gradient of its shard, as DDP
-averages. Under ``torch.compile`` these are ordinary graph nodes: the SP pass leaves them alone
+and anywhere else the parameter itself. The full weight is the parameter ``redistribute``-d to
+``Replicate`` (an all-gather, in ``param_dtype`` if set) and taken ``to_local`` with
+``Partial("avg")`` gradients, so autograd derives a reduce-scatter (in ``reduce_dtype``) that
+leaves each rank the world-average gradient of its shard, as DDP averages. Under ``torch.compile`` these are ordinary graph nodes: the SP pass leaves them alone
 (no sequence dim), SAC gathers them again in backward instead of saving full weights, and
 :mod:`lightning_autosp.passes.bucketing` groups them per transformer block. ``state_dict()``
 reads the parameters themselves (DTensors, under the model's own keys); nothing is gathered.

@@ -204,12 +204,14 @@ def materialize_sharded(module: nn.Module, device: torch.device, policy: Shardin
     fresh: dict[int, torch.Tensor] = {}
     # the ids of the meta parameters; tied ones are kept by the id of their new storage
     report = InitReport(units=len(units), model_bytes=_nbytes([*module.parameters(), *module.buffers()]))
+    shared = {k for k, held in holders.items() if len(held) > 1}  # tied across units, or held outside them
     for unit in units:
         materialize_meta(unit, device, fresh)
         report.largest_unit_bytes = max(report.largest_unit_bytes, _nbytes([*unit.parameters(), *unit.buffers()]))
         broadcast_module(unit, src)
-        keep = frozenset(id(fresh[k]) for k, held in holders.items() if len(held) > 1 and k in fresh)
-        shard_parameters(unit, policy, keep=keep)
+        shard_parameters(unit, policy, keep=frozenset(id(fresh[k]) for k in shared if k in fresh))
+        for k in [k for k in fresh if k not in shared]:  # the unit's whole tensors: sharded (or buffers, held)
+            del fresh[k]
     log.debug("AutoSP: initialised %d units one at a time (largest %d bytes)", len(units), report.largest_unit_bytes)
     return report
 

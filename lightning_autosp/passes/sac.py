@@ -141,13 +141,15 @@ def repeat_of_exchange(node: fx.Node) -> list[fx.Node]:
 
 def parameter_gathers(joint: fx.GraphModule, fwd: set[fx.Node]) -> list[fx.Node]:
     """The forward all-gathers of a graph input (``fsdp``'s parameter shards, seen through
-    views, a dtype cast or the padding of an uneven shard: :func:`gathered_input`), with their
-    waits and the views of the gathered value: what SAC recomputes in backward instead of
-    saving a full weight per layer."""
+    views, a dtype cast or the padding of an uneven shard: :func:`gathered_input`), with those
+    ops before them, their waits and the views of the gathered value: what SAC recomputes in
+    backward instead of saving a full weight per layer - or, under ``param_dtype``, the
+    low-precision copy of every shard for the whole forward."""
     out: list[fx.Node] = []
     for node in joint.graph.nodes:
         if node not in fwd or gathered_input(node) is None:
             continue
+        out.extend(_shard_prep(node))
         todo = [node]
         while todo:
             n = todo.pop()
@@ -161,14 +163,22 @@ def parameter_gathers(joint: fx.GraphModule, fwd: set[fx.Node]) -> list[fx.Node]
 _SHARD_PREP = frozenset({"_to_copy", "convert_element_type", "constant_pad_nd", "contiguous", "clone"})
 
 
+def _shard_prep(gather: fx.Node) -> list[fx.Node]:
+    """The views and :data:`_SHARD_PREP` ops between an all-gather and what it reads first."""
+    chain, src = [], gather.args[0]
+    while isinstance(src, fx.Node) and src.op == "call_function" and (_is_view(src) or (_op_name(src) or "").rpartition("::")[2].split(".")[0] in _SHARD_PREP):
+        chain.append(src)
+        src = src.args[0]
+    return chain
+
+
 def gathered_input(node: fx.Node) -> Optional[fx.Node]:
     """If ``node`` is an all-gather of a graph input (through views and :data:`_SHARD_PREP`
     ops), that input (a placeholder); otherwise ``None``."""
     if _op_name(node) not in _GATHERS:
         return None
-    src = node.args[0]
-    while isinstance(src, fx.Node) and src.op == "call_function" and (_is_view(src) or (_op_name(src) or "").rpartition("::")[2].split(".")[0] in _SHARD_PREP):
-        src = src.args[0]
+    chain = _shard_prep(node)
+    src = chain[-1].args[0] if chain else node.args[0]
     return src if isinstance(src, fx.Node) and src.op == "placeholder" else None
 
 
@@ -219,8 +229,8 @@ def forward_nodes(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
 def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConfig) -> fx.GraphModule:
     """Tag the forward nodes of an AOT joint graph with the SAC checkpoint policy (in place).
 
-    Postcondition: the all-gathers of parameter shards (:func:`parameter_gathers`), their waits
-    and views are ``MUST_RECOMPUTE``; every other forward collective and the fused vocabulary
+    Postcondition: the all-gathers of parameter shards (:func:`parameter_gathers`), the casts and
+    pads before them, their waits and views are ``MUST_RECOMPUTE``; every other forward collective and the fused vocabulary
     loss, with their ``getitem`` outputs, and every attention op, its ``getitem`` outputs and
     its tensor inputs are ``MUST_SAVE``, except an input that is a copy of exchanged KV heads
     (:func:`repeat_of_exchange`), whose copy and views are ``PREFER_RECOMPUTE``; every other forward op whose kind is in
