@@ -96,8 +96,8 @@ def test_static_memory_and_budget_interpolation():
     zero3 = trainability.static_bytes(params, "zero3", world=8)
     assert zero3 == {"parameters": 2000, "gradients": 2000, "optimizer": 12000, "gathered": 1800, "total": 17800}
     assert trainability.static_bytes(params, "ddp", world=8)["total"] == 16 * 8_000
-    sharded = trainability.static_bytes(params, "autosp_fsdp", world=8)  # fsdp=True: fp32 shards
-    assert sharded == {"parameters": 4000, "gradients": 4000, "optimizer": 8000, "gathered": 3000, "total": 19000}
+    sharded = trainability.static_bytes(params, "autosp_fsdp", world=8)  # fsdp=True: fp32 shards, bf16 gathers
+    assert sharded == {"parameters": 4000, "gradients": 4000, "optimizer": 8000, "gathered": 1800, "total": 17800}
     r = {"search_peaks": {"1024": 100 * 2**20, "2048": 200 * 2**20, "4096": 500 * 2**20}}
     assert sp_throughput.at_budget(r, budget_mib=350) == pytest.approx(2048 + 150 / 300 * 2048)
     assert sp_throughput.at_budget(r, budget_mib=600) is None  # never over the budget
