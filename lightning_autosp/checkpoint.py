@@ -209,17 +209,15 @@ def load_distributed(
             f"run has {len(optimizers)}: configure_optimizers must build the optimizers it saved."
         )
     meta = reader.meta(weights_only)
-    model_state = _fresh({k: v for k, v in current.items() if k in saved})
-    reader.load({_MODEL_KEY: model_state}, "the model")
-    optimizer_states = []
-    for i, optimizer in enumerate(optimizers):
-        state = _fresh(get_optimizer_state_dict(module, optimizer))  # creates the state the optimizer holds lazily
-        reader.load({_optimizer_key(i): state}, f"optimizer {i}")
-        optimizer_states.append(state)
+    # one read of everything (DCP plans and reads once), into fresh tensors
+    state = {_MODEL_KEY: _fresh({k: v for k, v in current.items() if k in saved})}
+    for i, optimizer in enumerate(optimizers):  # (get_optimizer_state_dict creates lazily held state)
+        state[_optimizer_key(i)] = _fresh(get_optimizer_state_dict(module, optimizer))
+    reader.load(state, "the model" + (" and the optimizer state" if optimizers else ""))
     # everything read: now write
-    module.load_state_dict(model_state, strict=False)
-    for optimizer, state in zip(optimizers, optimizer_states):
-        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(strict=strict))
+    module.load_state_dict(state[_MODEL_KEY], strict=False)
+    for i, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(module, optimizer, state[_optimizer_key(i)], options=StateDictOptions(strict=strict))
     return meta
 
 
