@@ -1,7 +1,7 @@
 # Two entry points, each working on a fresh machine (they create .venv on first use):
 #   make demo   - the main job: long-context KV recall, 2 CPU processes, sequence parallel (sp=2)
 #   make test   - the test suite
-#   make benchmarks - the benchmarks behind BENCHMARKS.md, then the page (about an hour on 2 cores;
+#   make benchmarks - the benchmarks behind BENCHMARKS.md, then the page (about 1.5 hours on 2 cores;
 #                     benchmarks/sac_memory.py runs on its own)
 #   make test-compat TORCH_SPEC=torch==2.9.1 [LIGHTNING_SPEC=lightning==2.5.0]
 #                   - the compatibility subset against another torch / Lightning, in its own
@@ -12,7 +12,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
 # the compatibility subset: version gates, the pass, SAC, GPT and Llama numerics with SAC on and
-# off, the Hugging Face decoders, the CLI (README "Tested versions" lists where it passed)
+# off, the Hugging Face decoders, the CLI, the sharded mode and its checkpoints (README "Tested
+# versions" lists where it passed)
 LIGHTNING_SPEC ?=
 COMPAT_VENV ?= .venv-compat-$(shell echo '$(TORCH_SPEC)$(if $(LIGHTNING_SPEC),-$(LIGHTNING_SPEC))' | tr -c 'A-Za-z0-9.\n-' '_')
 COMPAT_TESTS := tests/test_compat.py tests/test_strategy.py tests/test_pass.py tests/test_sac.py \
@@ -22,7 +23,7 @@ COMPAT_TESTS := tests/test_compat.py tests/test_strategy.py tests/test_pass.py t
 	'tests/test_numerics.py::test_matches_single_device[llama-sp2-nosac]' \
 	'tests/test_numerics.py::test_negative_control_sharding_without_pass_fails[llama]' \
 	tests/test_any_model.py::test_hugging_face_decoders tests/test_errors.py \
-	tests/test_memory_monitor.py::test_autosp_with_sac tests/test_cli.py tests/test_fsdp.py
+	tests/test_memory_monitor.py::test_autosp_with_sac tests/test_cli.py tests/test_fsdp.py tests/test_checkpoints.py
 
 .PHONY: demo test install benchmarks test-compat
 install: $(VENV)/.installed

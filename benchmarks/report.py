@@ -1,7 +1,9 @@
 """Run the benchmarks behind ``BENCHMARKS.md`` and write it (``make benchmarks``).
 
 Steps: ``sp_throughput.py`` (CPU, 2 and 4 processes), ``trainability.py`` (traced real
-shapes), ``checkpoint_io.py`` (save/load, replicated against sharded), ``vocab_loss.py`` (the
+shapes), ``checkpoint_io.py`` (save/load, replicated against sharded), ``sp_throughput.py``
+again (sharded against replicated) and ``sharded_mode.py`` (the sharded mode's working set,
+collectives and building from meta), ``vocab_loss.py`` (the
 fused loss against full logits), ``compile_time.py`` (first step against depth), ``gpu_check.py`` (only with CUDA; without it the last GPU results in
 ``benchmarks/results/gpu_check.json`` are shown, if any). Results go to
 ``benchmarks/results/`` (JSON and PNG) and the page is rendered from them.
