@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,14 @@ def all_gather_autograd(tensor: torch.Tensor, gather_dim: int, group_name: str) 
     return gather(tensor, gather_dim, group_name)
 
 
+#: torch's FX bucketing merges the sharded mode's collectives correctly from 2.13 (checked on
+#: 2.13.0): 2.9.1 merges all-gathers of shards cast to bfloat16 into NaN (its merge expects the
+#: cast as prims.convert_element_type; aot_eager graphs hold aten._to_copy) and loses Dynamo's
+#: nn_module_stack in the partitioned graphs (no blocks to bucket by). 2.10 - 2.12 are unchecked.
+#: Below it the parameters are gathered one collective each (correct, more collectives).
+BUCKETING_MERGES = TORCH_VERSION >= (2, 13)
+
+
 def merge_collective_buckets(gm: fx.GraphModule, gather_buckets: list, scatter_buckets: list) -> None:
     """Merge each bucket of functional all-gathers (reduce-scatters) of ``gm`` into one, with
     torch's FX bucketing (``torch._inductor.fx_passes.bucketing``, the passes behind inductor's
@@ -126,3 +135,9 @@ def merge_collective_buckets(gm: fx.GraphModule, gather_buckets: list, scatter_b
         merge_reduce_scatter(gm, scatter_buckets)
     # a merged collective sits where the bucket's last one was: move the earlier ones' users after it
     stable_topological_sort(gm.graph)
+
+
+def load_checkpoint_kwargs(weights_only: Optional[bool]) -> dict:
+    """``Strategy.load_checkpoint``'s keyword arguments: Lightning < 2.6 has no ``weights_only``
+    (passed only where given)."""
+    return {} if weights_only is None else {"weights_only": weights_only}

@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from torch.utils._pytree import keystr, tree_flatten_with_path
 from typing_extensions import override
 
-from lightning_autosp._compat import graph_break_counter
+from lightning_autosp._compat import graph_break_counter, load_checkpoint_kwargs
 from lightning_autosp.backend import AOT_BACKENDS, SUPPORTED_BACKENDS, AutoSPBackend, CompiledStep
 from lightning_autosp.batch_agreement import check_sp_batch_agreement
 from lightning_autosp.checkpoint import (
@@ -482,7 +482,7 @@ class AutoSPStrategy(DDPStrategy):
         (into a sharded module by :meth:`load_model_state_dict`)."""
         self._restored_by_strategy = False
         if not is_distributed_checkpoint(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only)
+            return super().load_checkpoint(checkpoint_path, **load_checkpoint_kwargs(weights_only))
         module = self.lightning_module
         assert module is not None
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]

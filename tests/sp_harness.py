@@ -4,6 +4,7 @@ same batches on one device, eagerly, as the reference."""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -384,8 +385,18 @@ def reference(kind: str, run: Run, sp_size: int, lr: float = 0.1, shift: bool = 
     return replay(lambda: make_model(kind, layers), step_loss, run, sp_size, lr, **kwargs)
 
 
+def finite(err: float) -> float:
+    """An error that is NaN (a NaN loss or gradient) as infinitely wrong: ``max`` and ``<=``
+    would pass it silently."""
+    return math.inf if math.isnan(err) else err
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    return finite(float((a - b).norm() / b.norm().clamp_min(1e-30)))
+
+
+def scalar_err(got: float, want: float) -> float:
+    return finite(abs(got - want) / abs(want))
 
 
 def compare(run: Run, sp_size: int, ref_losses, ref_grads) -> tuple[float, float]:
@@ -394,7 +405,7 @@ def compare(run: Run, sp_size: int, ref_losses, ref_grads) -> tuple[float, float
     for r, rec in enumerate(run.ranks):
         g = r // sp_size
         for got, want in zip(rec["losses"], ref_losses):
-            loss_err = max(loss_err, abs(got - want[g]) / abs(want[g]))
+            loss_err = max(loss_err, scalar_err(got, want[g]))
         assert len(rec["grads"]) == len(ref_grads)
         for got, want in zip(rec["grads"], ref_grads):
             names = [n.removeprefix("model.") for n in got]

@@ -183,7 +183,8 @@ def test_report_renders_every_placeholder_from_the_stored_results():
     assert "$" not in page  # every placeholder of report_template.md was filled
     assert page.startswith("# Benchmarks\n") and "_Rendered " in page
     assert "\n- 2 processes: tokens/s of AutoSP without SAC" in page  # one key-ratio line per process count
-    assert "## 2. Trainability at real scale" in page and "## 6. One-GPU check" in page
+    assert "## 2. Trainability at real scale" in page and "## 7. One-GPU check" in page
+    assert "## 6. The sharded mode" in page and "bf16" in page
     assert "## 3. Checkpoints" in page and "Sharded over replicated: save time" in page
     assert "## 4. The loss without the full logits" in page and "| 65,536 | 128,256 |" in page
     assert "## 5. Compile time against depth" in page and "| inductor | 32 |" in page

@@ -17,7 +17,7 @@ only held to Adam's bound, ``lr`` per step.
 
 import pytest
 import torch
-from sp_harness import FnModule, LMModule, TokenData, local_tensor, make_model, reference, reference_fn, rel_err, run_fit, spawn
+from sp_harness import FnModule, LMModule, TokenData, local_tensor, make_model, reference, reference_fn, rel_err, run_fit, scalar_err, spawn
 
 TOL = 1e-4
 LR = 1e-2
@@ -47,7 +47,7 @@ def _errors(run, sp_size, ref_losses, ref_grads, ref_final):
     loss_err = grad_err = param_err = 0.0
     for r, rec in enumerate(run.ranks):
         for got, want in zip(rec["losses"], ref_losses):
-            loss_err = max(loss_err, abs(got - want[r // sp_size]) / abs(want[r // sp_size]))
+            loss_err = max(loss_err, scalar_err(got, want[r // sp_size]))
         first = rec["grads"][0]
         assert sorted(n.removeprefix("model.") for n in first) == sorted(ref_grads[0]), "gradients missing"
         for name, g in first.items():
@@ -100,7 +100,12 @@ def test_sharded_matches_single_device(tmp_path, kind, devices, sp_size, clip, i
     # reduce-scatter per block in backward; never one bucket for the whole model
     forward, backward = run.ranks[0]["buckets"]["training_step"]
     print(f"  collectives per step: forward {forward.all_gathers} gathers -> {forward.gather_buckets}, backward {backward.all_gathers} -> {backward.gather_buckets} gathers and {backward.reduce_scatters} -> {backward.scatter_buckets} reduce-scatters")
-    assert forward.all_gathers > 10 and forward.gather_buckets == 3 and backward.scatter_buckets == 3 and backward.gather_buckets == 2
+    from lightning_autosp._compat import BUCKETING_MERGES
+
+    if BUCKETING_MERGES:
+        assert forward.all_gathers > 10 and forward.gather_buckets == 3 and backward.scatter_buckets == 3 and backward.gather_buckets == 2
+    else:  # one collective per parameter on a torch whose bucketing is not trusted (see _compat)
+        assert forward.gather_buckets == forward.all_gathers > 10 and backward.scatter_buckets == backward.reduce_scatters
     # SAC gathers the parameters again in backward rather than saving full weights (before it
     # did: the tiny Llama saved 452004 bytes, 204324 with the gathers recomputed)
     gathered = [n for n in run.ranks[0]["saved_names"] if n.startswith(("wait_tensor", "all_gather"))]

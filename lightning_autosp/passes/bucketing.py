@@ -16,7 +16,8 @@ model: the working set stays one block of gathered weights (two while the next b
 is in flight), where torch's default size cap (2000 MB) would gather a small model up front.
 
 Postcondition: every all-gather of a graph input and every reduce-scatter is in the bucket of
-its run; the graph lints.
+its run; the graph lints. Torch versions whose bucketing is not known to merge these graphs
+correctly (:data:`lightning_autosp._compat.BUCKETING_MERGES`) keep one collective per parameter.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def _nbytes(node: Any) -> int:
 
 def parameter_collective_buckets(gm: fx.GraphModule) -> tuple[list[list[fx.Node]], list[list[fx.Node]]]:
     """``(all-gather buckets, reduce-scatter buckets)`` of ``gm``: runs of parameter all-gathers
-    and of reduce-scatters with the same block, process group and dtype, in graph order."""
+    and of reduce-scatters with the same block, process group and dtype, in graph order; none
+    where no collective carries module information (a run would then be the whole model)."""
     gathers, scatters = [], []
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -117,6 +119,8 @@ def parameter_collective_buckets(gm: fx.GraphModule) -> tuple[list[list[fx.Node]
             gathers.append(node)
         elif _op_name(node) == _REDUCE_SCATTER and len(node.users) == 1:
             scatters.append(node)
+    if all(block_of(n) is None for n in [*gathers, *scatters]):
+        return [], []  # no module information in this graph: blocks cannot be told apart
     gather_key = lambda n: (block_of(n), n.args[2], _dtype(n))  # noqa: E731  (input, group_size, group_name)
     scatter_key = lambda n: (block_of(n), n.args[1], n.args[3], _dtype(n))  # noqa: E731  (input, op, group_size, group_name)
     return _runs(gathers, gather_key), _runs(scatters, scatter_key)
@@ -126,8 +130,9 @@ def bucket_parameter_collectives_pass(gm: fx.GraphModule, stats: Optional[Bucket
     """Merge the parameter all-gathers and reduce-scatters of ``gm`` per block (in place; see
     the module docstring). ``stats``, if given, receives the counts before and after;
     ``merge=False`` only counts (the buckets then are the collectives themselves)."""
-    from lightning_autosp._compat import merge_collective_buckets
+    from lightning_autosp._compat import BUCKETING_MERGES, merge_collective_buckets
 
+    merge = merge and BUCKETING_MERGES
     gather_buckets, scatter_buckets = parameter_collective_buckets(gm) if merge else ([], [])
     if stats is not None:
         nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
