@@ -22,7 +22,7 @@ from lightning_autosp import AutoSPStrategy
 from lightning_autosp.backend import AutoSPBackend
 from lightning_autosp.memory.accounting import OP_KINDS, node_kind
 from lightning_autosp.examples.models import Llama, LlamaConfig
-from lightning_autosp.passes.sac import RECOMPUTABLE_KINDS, SACConfig, SACPartitioner, forward_nodes
+from lightning_autosp.passes.sac import RECOMPUTABLE_KINDS, SACConfig, SACPartitioner, _op_name, forward_nodes
 
 A2A = (torch.ops.autosp.seq_gather.default, torch.ops.autosp.seq_scatter.default)
 
@@ -191,20 +191,58 @@ def test_plain_compile_elsewhere_is_unaffected():
     assert after == before and before["saved"]
 
 
-def test_budget_that_would_recompute_attention_falls_back(caplog):
-    """Negative control of the partition check: recomputing every kind under a tiny budget makes
-    torch's budget solver save the attention op's output tuple (it mishandles MUST_SAVE on
-    multi-output ops), which would fail at run time. The check catches it, warns, and the
-    budget-free partition saves attention's outputs and recomputes it nowhere."""
-    part = SACPartitioner(SACConfig(recompute=RECOMPUTABLE_KINDS, memory_budget=0.1))
-    with caplog.at_level("WARNING", logger="lightning_autosp.passes.sac"):
-        _compile_once(make_model("llama"), part)
-    assert "would save multi-output op(s) ['_scaled_dot_product" in caplog.text
-    assert "using the budget-free partition" in caplog.text
-    rec = part.records[0]
+def _solver_ignoring_must_save(gm, joint_inputs, **kwargs):
+    """torch's min-cut partitioner, except that under a memory budget it drops the MUST_SAVE of
+    the attention op and its outputs - what torch's budget solver did with multi-output ops up
+    to 2.14 in one form or another (saving the op's tuple, or recomputing it). With no budget it
+    is the plain partitioner."""
+    if torch._functorch.config.activation_memory_budget >= 1:
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and "scaled_dot_product" in str(n.target) and "backward" not in str(n.target):
+            for m in (n, *n.users):
+                m.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+
+def _saves_attention_recomputes_the_rest(rec):
     assert not any("scaled_dot_product" in op for op in rec.recomputed)
     by_kind = rec.bytes_by_kind({s: 32 for s in rec.symbols})
     assert by_kind["attention"] > 0 and sum(by_kind.values()) == by_kind["attention"]  # all else recomputed
+
+
+def test_budget_that_would_recompute_attention_falls_back(caplog):
+    """Negative control of the partition check: a budget partition that would run attention
+    again in backward is caught, warned about, and replaced by the budget-free partition, which
+    saves attention's outputs and recomputes every other kind. The bad partition is made on
+    purpose (a solver that drops MUST_SAVE under a budget), so the control holds on every torch,
+    whatever torch's own solver does."""
+    calls = []
+
+    def solver(gm, joint_inputs, **kwargs):
+        calls.append(_solver_ignoring_must_save(gm, joint_inputs, **kwargs))
+        return calls[-1]
+
+    part = SACPartitioner(SACConfig(recompute=RECOMPUTABLE_KINDS, memory_budget=0.1), solver)
+    with caplog.at_level("WARNING", logger="lightning_autosp.passes.sac"):
+        _compile_once(make_model("llama"), part)
+    assert "would recompute attention op(s) ['_scaled_dot_product_flash_attention_for_cpu (" in caplog.text
+    assert "using the budget-free partition" in caplog.text
+    _saves_attention_recomputes_the_rest(part.records[0])
+    # the partition it replaced was a bad one: its backward runs the attention forward again (by
+    # name, or replaying its RNG state as run_with_rng_state, depending on torch), the budget-free
+    # one's does not
+    attention_fwd_in = lambda g: [n for n in g.graph.nodes if "scaled_dot_product" in str(_op_name(n)) and "backward" not in str(_op_name(n))]  # noqa: E731
+    assert len(calls) == 2 and attention_fwd_in(calls[0][1]) and not attention_fwd_in(calls[1][1])
+
+
+def test_torch_budget_solver_keeps_the_invariants():
+    """torch's own budget solver under a tiny budget: whether it handles attention itself (torch
+    >= 2.15) or the check falls back (older torch saved the op's output tuple), the compiled
+    partition saves attention and recomputes everything else."""
+    part = SACPartitioner(SACConfig(recompute=RECOMPUTABLE_KINDS, memory_budget=0.1))
+    _compile_once(make_model("llama"), part)
+    _saves_attention_recomputes_the_rest(part.records[0])
 
 
 def _fused_loss_recomputed_worker(rank, world):

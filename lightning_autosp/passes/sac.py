@@ -32,6 +32,7 @@ compile only, so any other ``torch.compile`` in the process is unaffected.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import operator
 import time
@@ -42,6 +43,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -189,7 +191,22 @@ _FUSED_LOSS = "autosp_loss::linear_cross_entropy"
 
 
 def _op_name(node: fx.Node) -> Optional[str]:
-    return memory.qualified_op_name(node.target) if node.op == "call_function" else None
+    """The qualified name of the op ``node`` runs; a random op the partitioner wrapped to save or
+    replay its RNG state (``run_and_save_rng_state`` in the forward, ``run_with_rng_state`` where
+    it is recomputed in backward) is named by the op it wraps."""
+    if node.op != "call_function":
+        return None
+    if node.target is run_and_save_rng_state and node.args:
+        return memory.qualified_op_name(node.args[0])
+    if node.target is run_with_rng_state and len(node.args) > 1:
+        return memory.qualified_op_name(node.args[1])
+    return memory.qualified_op_name(node.target)
+
+
+def _recomputes(node: fx.Node, fw_names: set[str]) -> bool:
+    """Whether backward node ``node`` runs a forward op again: it keeps the forward node's name,
+    or replays a random forward op's RNG state."""
+    return node.op == "call_function" and (node.name in fw_names or node.target is run_with_rng_state)
 
 
 def _is_fused_loss(node: fx.Node) -> bool:
@@ -280,8 +297,8 @@ def _recomputed_ops(fw: fx.GraphModule, bw: fx.GraphModule) -> dict[str, int]:
     fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
     counts: Counter = Counter()
     for n in bw.graph.nodes:
-        if n.op == "call_function" and n.name in fw_names:
-            name = memory.qualified_op_name(n.target) or getattr(n.target, "__name__", str(n.target))
+        if _recomputes(n, fw_names):
+            name = _op_name(n) or getattr(n.target, "__name__", str(n.target))
             counts[name.rpartition("::")[2]] += 1
     return dict(counts)
 
@@ -324,8 +341,12 @@ class SACPartitioner(CustomPartitionerFn):
         if self.config is not None:
             sac_tag_pass(gm, num_fwd_outputs=num_fwd_outputs, config=self.config)
             budget = self.config.memory_budget
-        fw, bw = self._partition(gm, joint_inputs, budget, kwargs)
-        violation = self._violation(gm, fw, bw, num_fwd_outputs)
+        # a budget partition may be given up: it partitions a copy of the joint graph, since the
+        # partitioner edits the graph it partitions (it functionalizes the RNG of the random ops it
+        # recomputes, adding inputs), and those edits would carry into the fallback's partition
+        trial = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if budget < 1 else gm
+        fw, bw = self._partition(trial, joint_inputs, budget, kwargs)
+        violation = self._violation(trial, fw, bw, num_fwd_outputs)
         if violation and budget < 1:
             # torch's budget solver mishandles MUST_SAVE on multi-output ops (attention): it may
             # save the op's tuple, or neither the op nor its outputs. Keep the invariants and
@@ -380,9 +401,10 @@ class SACPartitioner(CustomPartitionerFn):
                 f"put {got_bw} collectives in the backward graph where autograd needs {joint_bw} "
                 "(a forward collective would be re-issued)"
             )
+        fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
         for what, is_op in (("attention op(s)", _is_attention), ("the fused vocabulary loss", _is_fused_loss)):
-            in_fw = {n.name for n in fw.graph.nodes if n.op == "call_function" and is_op(n)}
-            again = [n.name for n in bw.graph.nodes if n.op == "call_function" and n.name in in_fw]
+            ran = {_op_name(n) for n in fw.graph.nodes if is_op(n)}
+            again = [f"{_op_name(n).rpartition('::')[2]} ({n.name})" for n in bw.graph.nodes if _recomputes(n, fw_names) and _op_name(n) in ran]
             if again:
                 return f"would recompute {what} {again} in backward"
         return None
