@@ -35,9 +35,8 @@ class SupportedRange:
         return release(self.minimum) <= release(version) < release(self.below)
 
 
-#: oldest tested 2.9.1, newest 2.13.0; 2.8 and older untested. 2.15.0 fails the compatibility
-#: subset: a process forked after autograd ran in its parent raises "Unable to handle autograd's
-#: threading in combination with fork-based multiprocessing" (start_method="fork"); 2.14 untested.
+#: oldest tested 2.9.1, newest 2.13.0; 2.8 and older untested. 2.14 and 2.15 need the fork
+#: handling of :data:`FORK_AFTER_COMPILE_BREAKS_AUTOGRAD` (the compatibility subset is run next).
 TORCH_RANGE = SupportedRange("torch", "2.9", "2.14")
 #: oldest tested 2.5.3, newest 2.6.6. Lightning 2.4.0's LightningCLI puts its internal
 #: ``_class_path`` into the hparams of both the model and the data module and then refuses to
@@ -72,6 +71,15 @@ def check_versions(torch_version: str, lightning_version: str) -> None:
 
 
 TORCH_VERSION = release(torch.__version__)
+
+#: torch >= 2.14: once a backward has run on fake tensors in a process - and the AOT tracing of
+#: every ``torch.compile`` of a training step runs one - autograd's worker threads are started,
+#: and a process forked from it afterwards cannot run autograd ("Unable to handle autograd's
+#: threading in combination with fork-based multiprocessing"). 2.13 and older start no threads
+#: there. A forked launch (``start_method="fork"``, Lightning's ``ddp_notebook``) then works
+#: only from a process that has not compiled a training step itself (checked on 2.14.1 and
+#: 2.15.0: a plain backward in the parent is fine, a compiled one is not).
+FORK_AFTER_COMPILE_BREAKS_AUTOGRAD = TORCH_VERSION >= (2, 14)
 
 # torch >= 2.10 renamed reduce_scatter_tensor (the old name warns on every call).
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

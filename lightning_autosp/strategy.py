@@ -36,6 +36,7 @@ from lightning_autosp.checkpoint import (
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.fsdp import DDP_ONLY_ARGUMENTS, FSDPConfig, ShardingPolicy, broadcast_module, is_sharded, shard_module, unshard_module, whole
 from lightning_autosp.layout import SPLayout, check_sequence_fits, validate_layout, validate_sp_size
+from lightning_autosp.launch import prepare_rank
 from lightning_autosp.passes.sac import SACConfig
 from lightning_autosp.sampler import make_resumable
 from lightning_autosp.sharded_init import has_meta_tensors, load_pretrained, load_whole, materialize_meta, materialize_sharded, move_real_tensors
@@ -298,6 +299,8 @@ class AutoSPStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         layout = self._validate_layout()
+        assert self.lightning_module is not None
+        prepare_rank(self._start_method, self.lightning_module)
         super().setup_environment()
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -313,7 +316,6 @@ class AutoSPStrategy(DDPStrategy):
         )
         if self._fsdp is not None:
             self._shard_mesh = self._build_shard_mesh(layout.world_size)
-        assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         rank_zero_info(
             f"AutoSP: {layout.world_size} processes as dp={layout.dp_size} x sp={layout.sp_size}; "

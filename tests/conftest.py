@@ -1,3 +1,4 @@
+import multiprocessing
 import os
 
 import pytest
@@ -15,3 +16,8 @@ def _reset_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+# Where the ranks start from a fork server (sp_harness.START_METHOD), it imports the harness - and
+# with it torch, Lightning and lightning_autosp - once, so that each rank starts in milliseconds.
+multiprocessing.set_forkserver_preload(["sp_harness"])

@@ -1,5 +1,5 @@
 """Shared machinery of the multi-process tests: run a Trainer under AutoSP (or plain DDP) with
-``start_method="fork"`` on CPU/gloo, record what every rank saw and computed, and replay the
+``START_METHOD`` (fork, or a fork server on torch >= 2.14) on CPU/gloo, record what every rank saw and computed, and replay the
 same batches on one device, eagerly, as the reference."""
 
 from __future__ import annotations
@@ -18,10 +18,18 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_autosp import AutoSPStrategy
+from lightning_autosp._compat import FORK_AFTER_COMPILE_BREAKS_AUTOGRAD
+from lightning_autosp.launch import unshare
 from lightning_autosp.fsdp import full_state_dict, sharded_parameter_bytes
 from lightning_autosp.examples.models import GPT, GPTConfig, Llama, LlamaConfig
 
 VOCAB = 64
+
+#: How the tests start their ranks: forked from the test process (fast) where torch allows it;
+#: on torch >= 2.14, where a process forked after a compile in the test process cannot run
+#: autograd, from a fork server - a fresh process that imported this module once (conftest) and
+#: forks each rank from there. ``AUTOSP_TEST_START_METHOD`` overrides it.
+START_METHOD = os.environ.get("AUTOSP_TEST_START_METHOD") or ("forkserver" if FORK_AFTER_COMPILE_BREAKS_AUTOGRAD else "fork")
 
 
 def make_model(kind: str, layers: int = 2) -> torch.nn.Module:
@@ -297,6 +305,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Unshared(L.Callback):
+    """What AutoSPStrategy does in each rank started from a fork server, for plain DDP runs: own
+    copies of the parameters that torch's multiprocessing put in memory shared by every rank
+    (Lightning undoes that for ``start_method="spawn"`` only)."""
+
+    def setup(self, trainer, pl_module, stage):
+        unshare(pl_module)
+
+
 @dataclass
 class Run:
     ranks: list[dict]
@@ -315,7 +332,7 @@ def run_eval(tmp_path: Path, module: L.LightningModule, data: Dataset, devices: 
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=AutoSPStrategy(sp_size=sp_size, compile_backend="aot_eager", start_method="fork", **strategy_kwargs),
+        strategy=AutoSPStrategy(sp_size=sp_size, compile_backend="aot_eager", start_method=START_METHOD, **strategy_kwargs),
         callbacks=[Recorder(str(out))],
         logger=False,
         enable_progress_bar=False,
@@ -344,22 +361,29 @@ def run_fit(
     ckpt_path: Optional[str] = None,
     chunked_loss: Any = True,
     pretrained: Optional[dict] = None,
+    start_method: str = START_METHOD,
+    ddp_unshared: bool = True,
+    distributed_sampler: bool = True,
 ) -> Run:
-    """Fit on ``devices`` forked CPU processes; ``sp_size=None`` means plain DDP."""
+    """Fit on ``devices`` CPU processes (started by ``start_method``); ``sp_size=None`` means
+    plain DDP (``ddp_unshared``: with :class:`Unshared`; ``distributed_sampler=False``: every
+    rank reads every batch)."""
     os.environ["MASTER_PORT"] = str(free_port())
     out = tmp_path / f"run_{devices}_{sp_size}_{id(module)}"
     out.mkdir()
     if sp_size is None:
-        strategy: Any = L.pytorch.strategies.DDPStrategy(start_method="fork")
+        strategy: Any = L.pytorch.strategies.DDPStrategy(start_method=start_method)
+        callbacks = (*callbacks, Unshared()) if ddp_unshared else callbacks
     else:
         strategy = AutoSPStrategy(
-            sp_size=sp_size, compile_backend=backend, start_method="fork", sac=sac, fsdp=fsdp, chunked_loss=chunked_loss, pretrained=pretrained
+            sp_size=sp_size, compile_backend=backend, start_method=start_method, sac=sac, fsdp=fsdp, chunked_loss=chunked_loss, pretrained=pretrained
         )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
         max_steps=steps,
+        use_distributed_sampler=distributed_sampler,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=gradient_clip_val,
         precision=precision,
@@ -427,13 +451,13 @@ def _spawn_entry(rank: int, world: int, port: int, fn: Callable, out_dir: str, a
 
 
 def spawn(tmp_path: Path, fn: Callable, world: int, *args: Any) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` in ``world`` forked gloo processes; return each result."""
+    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes (``START_METHOD``); return each result."""
     import torch.multiprocessing as mp
 
     import tempfile
 
     out = Path(tempfile.mkdtemp(prefix=f"spawn_{fn.__name__}_{world}_", dir=tmp_path))
-    mp.start_processes(_spawn_entry, args=(world, free_port(), fn, str(out), args), nprocs=world, start_method="fork")
+    mp.start_processes(_spawn_entry, args=(world, free_port(), fn, str(out), args), nprocs=world, start_method=START_METHOD)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

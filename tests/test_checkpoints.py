@@ -176,7 +176,7 @@ def test_sharded_checkpoint_resumes_on_other_layouts(tmp_path):
     # resumed at max_steps: fit runs no epoch (no on_train_end), and still hands back full parameters
     import os
 
-    from sp_harness import free_port
+    from sp_harness import START_METHOD, free_port
     from torch.utils.data import DataLoader
 
     from lightning_autosp import AutoSPStrategy
@@ -186,7 +186,7 @@ def test_sharded_checkpoint_resumes_on_other_layouts(tmp_path):
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, callbacks=[_AtTeardown(tmp_path / "done")],
-        strategy=AutoSPStrategy(sp_size=2, compile_backend="aot_eager", start_method="fork", fsdp=True),
+        strategy=AutoSPStrategy(sp_size=2, compile_backend="aot_eager", start_method=START_METHOD, fsdp=True),
     )
     trainer.fit(LMModule(**kwargs), DataLoader(data, batch_size=2), ckpt_path=str(ckpt))
     for r in range(2):

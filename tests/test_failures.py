@@ -14,9 +14,10 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from sp_harness import LMModule, TokenData, free_port, run_fit
+from sp_harness import START_METHOD, LMModule, TokenData, free_port, run_fit
 
 from lightning_autosp import AutoSPStrategy
+from lightning_autosp._compat import FORK_AFTER_COMPILE_BREAKS_AUTOGRAD
 
 
 class RankDependentData(TokenData):
@@ -60,7 +61,7 @@ class TimeoutProbe(L.Callback):
 
 def test_user_timeout_applies_to_sp_and_dp_groups(tmp_path, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    strategy = AutoSPStrategy(sp_size=2, compile_backend="aot_eager", start_method="fork", timeout=timedelta(seconds=123))
+    strategy = AutoSPStrategy(sp_size=2, compile_backend="aot_eager", start_method=START_METHOD, timeout=timedelta(seconds=123))
     trainer = L.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[TimeoutProbe(str(tmp_path))],
@@ -87,3 +88,44 @@ def test_a_rank_that_raises_ends_the_job_with_its_error(tmp_path):
     assert proc.returncode != 0 and raised, output[-3000:]
     print(f"job: {end - start:.0f} s in all; exit {proc.returncode} {end - float(raised.group(1)):.1f} s after rank 1 raised")
     assert end - float(raised.group(1)) < 60
+
+
+def test_fork_launch_in_a_notebook(tmp_path):
+    """``start_method="fork"`` (Lightning's ``ddp_notebook``) from a process that compiled
+    nothing trains, twice. After the launching process compiled a training step, a forked child cannot
+    run autograd on torch >= 2.14 (shown first, outside AutoSP: the control) and the forked fit
+    then fails with AutoSP's error naming the launchers that work, not torch's; on older torch
+    it trains."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "fork_launch_job.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0 and "fit before compiling: trained" in out, (out + proc.stderr)[-3000:]
+    assert "second fit (its first one compiled in the ranks only): trained" in out, out
+    if FORK_AFTER_COMPILE_BREAKS_AUTOGRAD:
+        assert "autograd in a child forked after compiling: fails" in out, out
+        assert "fit after compiling: failed: " in out and "AutoSPStrategy(start_method='fork'): this process was forked" in out, out
+        assert "Use start_method='popen' (the default, for scripts) or 'spawn'" in out
+    else:
+        assert "autograd in a child forked after compiling: works" in out, out
+        assert "fit after compiling: trained" in out, out
+
+
+def test_forkserver_launch_gives_each_rank_its_own_parameters(tmp_path):
+    """``start_method="forkserver"`` on the CPU: torch's multiprocessing hands the ranks the
+    module's tensors in shared memory. AutoSP gives each rank its own copy, so the run equals one
+    device over 3 steps. Control: plain DDP launched the same way, without that copy, leaves one
+    device after its first step (each rank's optimizer step lands on the same parameters)."""
+    from sp_harness import compare, reference
+
+    kwargs = dict(sac=False, chunked_loss=False, start_method="forkserver")
+    run = run_fit(tmp_path, LMModule("llama", layers=1, log_loss=False), TokenData(16, 32), 2, 2, **kwargs)
+    loss_err, grad_err = compare(run, 2, *reference("llama", run, 2, layers=1))
+    assert loss_err <= 1e-4 and grad_err <= 1e-4, (loss_err, grad_err)
+    shared = run_fit(tmp_path, LMModule("llama", layers=1, log_loss=False), TokenData(16, 32), 2, None, **kwargs, ddp_unshared=False)
+    want_losses, want_grads = reference("llama", shared, 1, layers=1)
+    assert [rec["losses"][0] for rec in shared.ranks] == pytest.approx(want_losses[0], rel=1e-5)  # step 1: the same
+    bad_loss, bad_grad = compare(shared, 1, want_losses, want_grads)
+    assert bad_loss > 1e-4 and bad_grad > 1e-2, (bad_loss, bad_grad)

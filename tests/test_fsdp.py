@@ -498,6 +498,7 @@ def _node_agent(node_rank, port, out, steps):
     trainer = L.Trainer(
         accelerator="cpu", devices=2, num_nodes=2, max_steps=steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, callbacks=[Recorder(out)],
+        # the agent itself was started clean (START_METHOD), so it may fork its ranks
         strategy=AutoSPStrategy(sp_size=2, compile_backend="aot_eager", start_method="fork", fsdp="hybrid"),
     )
     module = LMModule("llama", lr=LR, optimizer="adamw", layers=1, log_loss=False)
@@ -512,10 +513,10 @@ def test_hybrid_sharding_two_nodes_matches_single_device(tmp_path):
     parameters after 3 AdamW steps equal one device. Negative control: one device on other batches."""
     import multiprocessing
 
-    from sp_harness import Run, free_port
+    from sp_harness import START_METHOD, Run, free_port
 
     port, steps = free_port(), 3
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context(START_METHOD)
     agents = [ctx.Process(target=_node_agent, args=(node, port, str(tmp_path), steps)) for node in (0, 1)]
     for a in agents:
         a.start()
@@ -659,3 +660,4 @@ def test_pretrained_needs_a_model_built_on_meta():
     trainer.strategy._lightning_module = module
     with pytest.raises(AutoSPError, match=r"pretrained=\{'model': \.\.\.\}.*must be a module built on the meta device.*configure_model"):
         trainer.strategy.model_to_device()
+

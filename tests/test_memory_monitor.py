@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import sympy
 import torch
-from sp_harness import LMModule, TokenData, free_port
+from sp_harness import START_METHOD, LMModule, TokenData, free_port
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -183,7 +183,7 @@ def test_single_device(single_device):
 def test_plain_ddp_matches_single_device(tmp_path, single_device):
     """Two DDP ranks run the same shapes as one device: every rank reports its figures, equal
     to the one-device ones."""
-    rows = _fit(tmp_path, L.pytorch.strategies.DDPStrategy(start_method="fork"), 2, ActivationMemoryMonitor())
+    rows = _fit(tmp_path, L.pytorch.strategies.DDPStrategy(start_method=START_METHOD), 2, ActivationMemoryMonitor())
     ref = _by_rank(single_device[2], 0, 1)[0]
     for m in _by_rank(rows, 0, 2):
         for k in KEYS[:-1]:
@@ -194,7 +194,7 @@ def test_autosp_with_sac(tmp_path):
     """Under AutoSP the figures come from the compiled graph: SP collectives show up, SAC leaves
     no linear/norm output saved, and both ranks of the SP group report the same."""
     monitor = ActivationMemoryMonitor()
-    strategy = AutoSPStrategy(sp_size=2, compile_backend="aot_eager", start_method="fork")
+    strategy = AutoSPStrategy(sp_size=2, compile_backend="aot_eager", start_method=START_METHOD)
     rows = _fit(tmp_path, strategy, 2, monitor)
     ranks = _by_rank(rows, 0, 2)
     for m in ranks:
