@@ -661,3 +661,25 @@ def test_pretrained_needs_a_model_built_on_meta():
     with pytest.raises(AutoSPError, match=r"pretrained=\{'model': \.\.\.\}.*must be a module built on the meta device.*configure_model"):
         trainer.strategy.model_to_device()
 
+
+def test_duplicate_waits_on_one_gather_become_one():
+    """torch >= 2.14 traces a tied parameter (embedding and head) as one all-gather with a wait per
+    read; bucketing needs one wait per collective. The later wait's users move to the first;
+    collectives with one wait each are left alone (the control)."""
+    from lightning_autosp.passes.bucketing import merge_duplicate_waits
+
+    c10d = torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    tied, other = g.placeholder("tied"), g.placeholder("other")
+    gathers = [g.call_function(c10d.all_gather_into_tensor.default, (x, 2, "0")) for x in (tied, other)]
+    first = g.call_function(c10d.wait_tensor.default, (gathers[0],))
+    embed = g.call_function(torch.ops.aten.embedding.default, (first, tied))
+    second = g.call_function(c10d.wait_tensor.default, (gathers[0],))
+    head = g.call_function(torch.ops.aten.mm.default, (embed, second))
+    alone = g.call_function(c10d.wait_tensor.default, (gathers[1],))
+    g.output((head, alone))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert merge_duplicate_waits(gm) == 1
+    gm.graph.lint()
+    assert list(gathers[0].users) == [first] and head.args == (embed, first)
+    assert list(gathers[1].users) == [alone] and merge_duplicate_waits(gm) == 0

@@ -107,6 +107,26 @@ def _nbytes(node: Any) -> int:
     return int(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
+_WAIT = "_c10d_functional::wait_tensor"
+
+
+def merge_duplicate_waits(gm: fx.GraphModule) -> int:
+    """Give every collective one ``wait_tensor`` (in place): later waits on the same collective
+    are replaced by its first (a wait returns the collective's result; the first comes earlier
+    in the graph, so it precedes every user of the later ones). torch 2.14 and newer trace a
+    parameter read twice in a forward - tied embedding and head - as one all-gather with a wait
+    per read, which torch's bucketing cannot merge. Returns how many waits were removed."""
+    removed = 0
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        waits = sorted((u for u in node.users if _op_name(u) == _WAIT), key=order.__getitem__)
+        for extra in waits[1:]:
+            extra.replace_all_uses_with(waits[0])
+            gm.graph.erase_node(extra)
+            removed += 1
+    return removed
+
+
 def parameter_collective_buckets(gm: fx.GraphModule) -> tuple[list[list[fx.Node]], list[list[fx.Node]]]:
     """``(all-gather buckets, reduce-scatter buckets)`` of ``gm``: runs of parameter all-gathers
     and of reduce-scatters with the same block, process group and dtype, in graph order; none
@@ -133,6 +153,8 @@ def bucket_parameter_collectives_pass(gm: fx.GraphModule, stats: Optional[Bucket
     from lightning_autosp._compat import BUCKETING_MERGES, merge_collective_buckets
 
     merge = merge and BUCKETING_MERGES
+    if merge and merge_duplicate_waits(gm):
+        gm.graph.lint()
     gather_buckets, scatter_buckets = parameter_collective_buckets(gm) if merge else ([], [])
     if stats is not None:
         nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
