@@ -23,7 +23,8 @@ COMPAT_TESTS := tests/test_compat.py tests/test_strategy.py tests/test_pass.py t
 	'tests/test_numerics.py::test_matches_single_device[llama-sp2-nosac]' \
 	'tests/test_numerics.py::test_negative_control_sharding_without_pass_fails[llama]' \
 	tests/test_any_model.py::test_hugging_face_decoders tests/test_errors.py \
-	tests/test_memory_monitor.py::test_autosp_with_sac tests/test_cli.py tests/test_fsdp.py tests/test_checkpoints.py
+	tests/test_memory_monitor.py::test_autosp_with_sac tests/test_cli.py tests/test_fsdp.py tests/test_checkpoints.py \
+	tests/test_failures.py::test_fork_launch_in_a_notebook tests/test_failures.py::test_forkserver_launch_gives_each_rank_its_own_parameters
 
 .PHONY: demo test install benchmarks test-compat
 install: $(VENV)/.installed

@@ -35,9 +35,9 @@ class SupportedRange:
         return release(self.minimum) <= release(version) < release(self.below)
 
 
-#: oldest tested 2.9.1, newest 2.13.0; 2.8 and older untested. 2.14 and 2.15 need the fork
-#: handling of :data:`FORK_AFTER_COMPILE_BREAKS_AUTOGRAD` (the compatibility subset is run next).
-TORCH_RANGE = SupportedRange("torch", "2.9", "2.14")
+#: oldest tested 2.9.1, newest 2.15.0; 2.8 and older untested (see
+#: :data:`FORK_AFTER_COMPILE_BREAKS_AUTOGRAD` for what changed in 2.14).
+TORCH_RANGE = SupportedRange("torch", "2.9", "2.16")
 #: oldest tested 2.5.3, newest 2.6.6. Lightning 2.4.0's LightningCLI puts its internal
 #: ``_class_path`` into the hparams of both the model and the data module and then refuses to
 #: merge them ("Error while merging hparams"); 2.5.0 skips that key. 2.5.0 - 2.5.2's
@@ -123,7 +123,8 @@ def all_gather_autograd(tensor: torch.Tensor, gather_dim: int, group_name: str) 
 
 
 #: torch's FX bucketing merges the sharded mode's collectives correctly from 2.13 (checked on
-#: 2.13.0): 2.9.1 merges all-gathers of shards cast to bfloat16 into NaN (its merge expects the
+#: 2.13.0, 2.14.1 and 2.15.0; 2.15 once each collective has one wait, see
+#: ``passes.bucketing.merge_duplicate_waits``): 2.9.1 merges all-gathers of shards cast to bfloat16 into NaN (its merge expects the
 #: cast as prims.convert_element_type; aot_eager graphs hold aten._to_copy) and loses Dynamo's
 #: nn_module_stack in the partitioned graphs (no blocks to bucket by). 2.10 - 2.12 are unchecked.
 #: Below it the parameters are gathered one collective each (correct, more collectives).

@@ -32,9 +32,9 @@ def test_installed_versions_are_accepted():
 @pytest.mark.parametrize(
     "torch_version,lightning_version,named",
     [
-        ("2.8.0+cu128", "2.6.6", r"torch 2\.8\.0\+cu128 is installed, but lightning-autosp supports torch>=2\.9,<2\.14"),
-        ("2.15.0", "2.6.6", r"torch 2\.15\.0 is installed"),
-        ("2.14.0a0+git1234abc", "2.6.6", r"torch 2\.14\.0a0\+git1234abc is installed"),
+        ("2.8.0+cu128", "2.6.6", r"torch 2\.8\.0\+cu128 is installed, but lightning-autosp supports torch>=2\.9,<2\.16"),
+        ("2.16.0", "2.6.6", r"torch 2\.16\.0 is installed"),
+        ("2.16.0a0+git1234abc", "2.6.6", r"torch 2\.16\.0a0\+git1234abc is installed"),
         ("2.13.0+cpu", "2.4.0", r"lightning 2\.4\.0 is installed, but lightning-autosp supports lightning>=2\.5\.3,<2\.7"),
         ("2.13.0+cpu", "2.5.2", r"lightning 2\.5\.2 is installed"),
         ("2.13.0", "2.7.0", r"lightning 2\.7\.0 is installed"),
@@ -50,12 +50,12 @@ def test_import_fails_fast_on_an_untested_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "ImportError: lightning-autosp: torch 2.8.0+cu128 is installed" in out.stderr, out.stderr[-2000:]
-    assert "torch>=2.9,<2.14" in out.stderr
+    assert "torch>=2.9,<2.16" in out.stderr
 
 
 def test_range_edges():
-    assert TORCH_RANGE.contains("2.9.0") and TORCH_RANGE.contains("2.13.9+cu130")
-    assert not TORCH_RANGE.contains("2.8.9") and not TORCH_RANGE.contains("2.14.0")
+    assert TORCH_RANGE.contains("2.9.0") and TORCH_RANGE.contains("2.14.1+cu130") and TORCH_RANGE.contains("2.15.9+cu132")
+    assert not TORCH_RANGE.contains("2.8.9") and not TORCH_RANGE.contains("2.16.0")
     assert LIGHTNING_RANGE.contains("2.5.3") and LIGHTNING_RANGE.contains("2.6.6")
 
 
