@@ -83,6 +83,8 @@ FORK_AFTER_COMPILE_BREAKS_AUTOGRAD = TORCH_VERSION >= (2, 14)
 
 # torch >= 2.10 renamed reduce_scatter_tensor (the old name warns on every call).
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# ... and all_gather_into_tensor (all_gather_single; 2.13 warns on every call of the old name)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # torch < 2.10: the min-cut partitioner (torch._functorch.partitioners.cleanup_recompute_tags)
 # reads node.meta["ac_graph_id"] of every node tagged node.meta["recompute"] and raises KeyError

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from lightning_autosp._compat import reduce_scatter_single
+from lightning_autosp._compat import all_gather_single, reduce_scatter_single
 from lightning_autosp.layout import seq_split_sizes
 
 __all__ = ["seq_gather", "seq_scatter", "all_reduce", "group_ratio", "group_ratio_backward", "all_gather", "reduce_scatter"]
@@ -217,7 +217,7 @@ def all_gather(x: torch.Tensor, dim: int, group_name: str, group_size: int) -> t
     """Concatenate every rank's ``x`` along ``dim`` in rank order."""
     moved = x.movedim(dim, 0).contiguous()  # [n, ...]
     gathered = moved.new_empty((group_size * moved.shape[0],) + tuple(moved.shape[1:]))  # [P*n, ...]
-    dist.all_gather_into_tensor(gathered, moved, group=_group(group_name))
+    all_gather_single(gathered, moved, group=_group(group_name))
     return gathered.movedim(0, dim).contiguous()
 
 

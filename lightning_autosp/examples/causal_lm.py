@@ -111,7 +111,8 @@ class CausalLMModule(LightningModule):
         logits = self(batch["input_ids"])
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), batch["labels"].view(-1), ignore_index=IGNORE_INDEX)
         self.val_acc(logits.argmax(-1), batch["labels"])
-        self.log("val_loss", loss, prog_bar=True, on_step=False, on_epoch=True)
+        # every rank holds the full-sequence loss of its DP group's batch: averaged over the groups
+        self.log("val_loss", loss, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True)
         self.log("val_acc", self.val_acc, prog_bar=True, on_step=False, on_epoch=True)
         return loss
 

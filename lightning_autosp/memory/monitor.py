@@ -151,8 +151,7 @@ class ActivationMemoryMonitor(Callback):
         if by_kind is not None:
             row.append(float(sum(by_kind.values())))
         row.append(float(_peak_bytes(pl_module.device)))
-        gathered = trainer.strategy.all_gather(torch.tensor(row, dtype=torch.float64, device=pl_module.device))
-        gathered = gathered.reshape(-1, len(row)).cpu()
+        gathered = _gather_rows(torch.tensor(row, dtype=torch.float64, device=pl_module.device))
         if trainer.global_rank != 0:
             return
         step = self._step
@@ -283,3 +282,16 @@ def plot_saved_bytes(
     if len(labels) > 1:
         ax.legend()
     fig.savefig(os.fspath(path), format="png", dpi=100)
+
+
+def _gather_rows(row: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``row``, stacked in rank order, on the CPU. torch.distributed's list
+    all-gather: Lightning's ``all_gather`` goes through APIs torch 2.13 deprecates (a warning
+    per call)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return row[None].cpu()
+    parts = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, row)
+    return torch.stack(parts).cpu()
