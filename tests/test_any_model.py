@@ -81,6 +81,7 @@ def test_explicit_attention_masks(tmp_path, kind):
     print(f"mask {kind} sp2: loss {loss_err:.2e} grad {grad_err:.2e} (naive sharding: grad {naive:.2e})")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads,kv_heads,devices", [(4, 1, 2), (8, 2, 4)], ids=["kv1-sp2", "h8kv2-sp4"])
 def test_gqa_with_fewer_kv_heads_than_sp(tmp_path, heads, kv_heads, devices):
     """MQA (one KV head) at sp=2 and 2 KV heads at sp=4: KV heads replicated across ranks."""
@@ -111,6 +112,7 @@ def shifted_loss(model, batch):
     return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_lengths_change_without_recompiling(tmp_path, backend):
     """Three lengths, one odd, with a shifted loss (the last rank holds the fewest targets):
@@ -172,6 +174,7 @@ class PaddedData(TokenData):
         return {"input_ids": self.x[i], "labels": self.y[i], "attention_mask": self.am[i]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family,side,devices,layers", [("llama", "right", 2, 2), ("llama", "left", 4, 1), ("qwen2", "right", 2, 1)]
 )
@@ -188,6 +191,7 @@ def test_hugging_face_decoders(tmp_path, family, side, devices, layers):
 
 
 # ------------------------------------------------------------------ evaluation and prediction
+@pytest.mark.slow
 def test_test_and_predict_equal_one_device(tmp_path):
     from sp_harness import run_eval
 
@@ -212,6 +216,7 @@ def test_test_and_predict_equal_one_device(tmp_path):
 
 
 # ------------------------------------------------------------------ bf16-mixed
+@pytest.mark.slow
 def test_bf16_mixed(tmp_path):
     """bf16 autocast on both sides. bf16 keeps 8 significant bits (eps = 2**-7 = 7.8e-3): the
     same matmuls run on differently shaped local blocks (S/P tokens, H/P heads), so CPU kernels

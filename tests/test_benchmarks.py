@@ -39,6 +39,7 @@ def eager_saved_bytes(cfg: LlamaConfig, S: int) -> int:
     return saved.total
 
 
+@pytest.mark.slow
 def test_memory_model_matches_eager_autograd():
     S = 48
     measured = eager_saved_bytes(CFG, S)
@@ -48,6 +49,7 @@ def test_memory_model_matches_eager_autograd():
     assert mm.trace(CFG, "no_sp", S=S).memory(S)["saved"] < measured
 
 
+@pytest.mark.slow
 def test_memory_model_depth_extrapolation_and_variant_order():
     cfg = replace(CFG, n_layers=4)
     S = 64
@@ -202,6 +204,7 @@ def _all_to_all_worker(rank, world):
     }
 
 
+@pytest.mark.slow
 def test_all_to_all_bytes_count_what_each_variant_sends(tmp_path):
     """The profiler-based count against the bytes each variant must send in one step, forward
     and backward: per layer and direction, the hand-written baseline sends q, k, v (k and v

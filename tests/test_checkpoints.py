@@ -13,6 +13,7 @@ LR = 1e-2
 STEPS, SAVE_AT = 8, 3  # 4 batches per epoch: the checkpoint interrupts epoch 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "sharded"])
 def test_resume_equals_the_uninterrupted_run(tmp_path, fsdp):
     """AdamW (its moments are state a resume must restore), sp=2, 8 steps over two epochs.
@@ -127,6 +128,7 @@ class _ProbeAfterResume(LMModule):
         return -1  # skip the rest of the epoch
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_resumes_on_other_layouts(tmp_path):
     """Saved at step 2 by dp=2 x sp=2 with fsdp=True (4 shard files), resumed at sp=4, at dp=1 x
     sp=2 (2 ranks: each reads parts of two files) and replicated (fsdp=False): right after the
@@ -339,6 +341,7 @@ def _save_sharded_hf(rank, world, path):
     return {k.removeprefix("model."): v for k, v in full_state_dict(holder).items()}
 
 
+@pytest.mark.slow
 def test_export_to_one_file_and_to_hugging_face(tmp_path):
     """``python -m lightning_autosp.export``: a sharded checkpoint of a Hugging Face Llama (keys
     ``model._orig_mod.*`` as a compiled module inside a LightningModule saves them) becomes (a)

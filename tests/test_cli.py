@@ -25,6 +25,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.slow
 def test_demo_config_runs_as_users_launch_it(tmp_path):
     """The README's main job, shrunk: `lightning-autosp fit --config configs/demo_cpu.yaml`
     launched as users launch it (Lightning's default launcher re-runs the command per rank)."""
@@ -55,6 +56,7 @@ def test_demo_task_needs_attention_across_the_sp_shards():
         assert set(labels[asked].tolist()) <= set(ids[:shard][is_value[:shard]].tolist())  # answers only on rank 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config,fsdp", [("llama_sp8.yaml", "false"), ("llama8b_sp8_fsdp.yaml", "true")])
 def test_gpu_config_parses(config, fsdp):
     out = subprocess.run(

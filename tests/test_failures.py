@@ -40,6 +40,7 @@ def test_sp_ranks_with_different_batches_are_stopped(tmp_path):
         run_fit(tmp_path, LMModule("gpt"), RankDependentData(8, 16, per_rank=True), devices=2, sp_size=2, steps=1)
 
 
+@pytest.mark.slow
 def test_sp_ranks_with_the_same_random_batches_train(tmp_path):
     """Negative control: the same randomness on every rank (seeded by the sample) passes the check."""
     run = run_fit(tmp_path, LMModule("gpt"), RankDependentData(8, 16, per_rank=False), devices=2, sp_size=2, steps=1)
@@ -59,6 +60,7 @@ class TimeoutProbe(L.Callback):
         torch.save(seconds, f"{self.out_dir}/rank{trainer.global_rank}.pt")
 
 
+@pytest.mark.slow
 def test_user_timeout_applies_to_sp_and_dp_groups(tmp_path, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     strategy = AutoSPStrategy(sp_size=2, compile_backend="aot_eager", start_method=START_METHOD, timeout=timedelta(seconds=123))
@@ -72,6 +74,7 @@ def test_user_timeout_applies_to_sp_and_dp_groups(tmp_path, monkeypatch):
         assert torch.load(tmp_path / f"rank{rank}.pt") == {"sp": 123.0, "dp": 123.0}
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_ends_the_job_with_its_error(tmp_path):
     """The default launcher (the script re-run per rank), rank 1 raising at step 2 while rank 0
     waits for it in an all-to-all: the job exits non-zero with rank 1's message, long before
@@ -90,6 +93,7 @@ def test_a_rank_that_raises_ends_the_job_with_its_error(tmp_path):
     assert end - float(raised.group(1)) < 60
 
 
+@pytest.mark.slow
 def test_fork_launch_in_a_notebook(tmp_path):
     """``start_method="fork"`` (Lightning's ``ddp_notebook``) from a process that compiled
     nothing trains, twice. After the launching process compiled a training step, a forked child cannot
@@ -113,6 +117,7 @@ def test_fork_launch_in_a_notebook(tmp_path):
         assert "fit after compiling: trained" in out, out
 
 
+@pytest.mark.slow
 def test_forkserver_launch_gives_each_rank_its_own_parameters(tmp_path):
     """``start_method="forkserver"`` on the CPU: torch's multiprocessing hands the ranks the
     module's tensors in shared memory. AutoSP gives each rank its own copy, so the run equals one

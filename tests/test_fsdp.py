@@ -65,7 +65,7 @@ def _errors(run, sp_size, ref_losses, ref_grads, ref_final):
 
 @pytest.mark.parametrize(
     "kind,devices,sp_size,clip,in_configure_model",
-    [("gpt", 2, 2, CLIP, False), ("llama", 4, 2, None, True)],
+    [("gpt", 2, 2, CLIP, False), pytest.param("llama", 4, 2, None, True, marks=pytest.mark.slow)],
     ids=["gpt-sp2-clipped", "llama-dp2xsp2-configure_model"],
 )
 def test_sharded_matches_single_device(tmp_path, kind, devices, sp_size, clip, in_configure_model):
@@ -149,6 +149,7 @@ def _hf_llama_tied():
     return transformers.LlamaForCausalLM(config)
 
 
+@pytest.mark.slow
 def test_sharded_fine_tune_from_hugging_face_weights_matches_single_device(tmp_path):
     """A fine-tune as a Hugging Face user starts one: a Llama (tied embeddings) saved with
     ``save_pretrained`` (safetensors, the tied head stored once), built from its config in
@@ -383,6 +384,7 @@ class _UserCode(LMModule):
         torch.save(self.seen, f"{self.out}/rank{self.global_rank}.pt")
 
 
+@pytest.mark.slow
 def test_user_code_sees_what_it_sees_on_one_device(tmp_path):
     """The issue's table, sharded against replicated (GPT with biases, sp=2, one step): the same
     weight-decay groups (for the 1-layer GPT: 6 matrices decayed, 10 vectors not), names,
@@ -433,6 +435,7 @@ def test_lightning_grad_norm_error_names_the_fix():
         wrapped("other")
 
 
+@pytest.mark.slow
 def test_sharded_bf16_mixed_gathers_in_bf16(tmp_path):
     """``precision="bf16-mixed"``: parameters are all-gathered in bfloat16 (half the bytes of
     fp32) and gradients reduce-scattered in float32 (read off every rank's compiled graphs), the
@@ -505,6 +508,7 @@ def _node_agent(node_rank, port, out, steps):
     trainer.fit(module, DataLoader(TokenData(16, 32), batch_size=2, shuffle=False))
 
 
+@pytest.mark.slow
 def test_hybrid_sharding_two_nodes_matches_single_device(tmp_path):
     """``fsdp="hybrid"`` on two simulated nodes (two launcher agents with NODE_RANK 0 and 1, two
     processes each): dp=2 x sp=2, parameters sharded within a node (``(replicate, shard)`` mesh

@@ -97,6 +97,7 @@ def _worker(rank, world, S, sac, native):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "S,sac,native",
     [(12, False, None), (11, False, None), (11, False, False), (12, True, None), (12, True, False)],

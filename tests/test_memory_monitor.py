@@ -190,6 +190,7 @@ def test_plain_ddp_matches_single_device(tmp_path, single_device):
             assert m[k] == ref[k], k
 
 
+@pytest.mark.slow
 def test_autosp_with_sac(tmp_path):
     """Under AutoSP the figures come from the compiled graph: SP collectives show up, SAC leaves
     no linear/norm output saved, and both ranks of the SP group report the same."""

@@ -36,7 +36,11 @@ def _data(extras: dict) -> TokenData:
     return TokenData(24 if extras.get("accumulate") else 16, extras.get("seq_len", 32))
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# the two fastest cases stay in `pytest -m "not slow"`
+FAST_CASES = ("gpt-sp2-ignore", "llama-sp2-nosac")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in FAST_CASES else pytest.mark.slow) for c in CASES])
 def test_matches_single_device(tmp_path, case):
     kind, devices, sp_size, extras = CASES[case]
     layers, shift, accumulate = extras.get("layers", 1), extras.get("shift", False), extras.get("accumulate", 1)
@@ -73,6 +77,7 @@ def test_matches_single_device(tmp_path, case):
             assert rec["val_losses"] == pytest.approx(want, rel=TOL)
 
 
+@pytest.mark.slow
 def test_default_configuration_matches_single_device(tmp_path):
     """What users run by default: compile_backend="inductor" with SAC on (the other tests use
     aot_eager, also with SAC on, to compile faster). Llama: RoPE, GQA, RMSNorm, SwiGLU."""
@@ -104,6 +109,7 @@ class MetricModule(LMModule):
         return loss
 
 
+@pytest.mark.slow
 def test_metrics_and_logging_compile_once(tmp_path):
     """Graphs compiled once for the whole run, and the logged accuracy and loss are the
     full-sequence ones, also with the loss computed after the metric's graph break. Before

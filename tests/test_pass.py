@@ -141,6 +141,7 @@ def _count_worker(rank, world):
     return dict(_COUNTS)
 
 
+@pytest.mark.slow
 def test_four_all_to_alls_per_attention_forward_and_backward(tmp_path):
     counts = spawn(tmp_path, _count_worker, 2)
     assert counts[0] == counts[1] == {"fw": 12, "bw": 12}  # 3 attention calls x 4

@@ -87,6 +87,7 @@ def pattern_loss(model: PatternLM, batch) -> torch.Tensor:
 PATTERNS = ["alibi_hss", "to_other_shape", "var_positional", "weighted_ignore_not_a_class", "features_first"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_pattern_matches_one_device(tmp_path, pattern):
     factory = lambda: PatternLM(pattern)  # noqa: E731

@@ -161,6 +161,7 @@ def test_policy_tags_and_partition():
     assert abs(float(results["on"][0]) - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
 
 
+@pytest.mark.slow
 def test_plain_compile_elsewhere_is_unaffected():
     """A plain aot_eager compile (default min-cut partition) saves exactly the same tensors
     before and after an SAC compile (with a memory budget) in the same process."""
@@ -280,6 +281,7 @@ def _fused_loss_recomputed_worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_partition_that_recomputes_the_fused_loss_is_refused(tmp_path):
     for res in spawn(tmp_path, _fused_loss_recomputed_worker, 2):
         assert "would recompute the fused vocabulary loss" in res["forced"], res["forced"]
@@ -360,6 +362,7 @@ def _sp_worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_sp_invariants(tmp_path):
     ranks = spawn(tmp_path, _sp_worker, 2)
     for r, res in enumerate(ranks):
