@@ -126,8 +126,9 @@ def all_gather_autograd(tensor: torch.Tensor, gather_dim: int, group_name: str) 
 
 #: torch's FX bucketing merges the sharded mode's collectives correctly from 2.13 (checked on
 #: 2.13.0, 2.14.1 and 2.15.0; 2.15 once each collective has one wait, see
-#: ``passes.bucketing.merge_duplicate_waits``): 2.9.1 merges all-gathers of shards cast to bfloat16 into NaN (its merge expects the
-#: cast as prims.convert_element_type; aot_eager graphs hold aten._to_copy) and loses Dynamo's
+#: ``passes.bucketing.merge_duplicate_waits``): 2.9.1 merges all-gathers of shards cast to
+#: bfloat16 into NaN (its merge expects the cast as prims.convert_element_type; aot_eager graphs
+#: hold aten._to_copy) and loses Dynamo's
 #: nn_module_stack in the partitioned graphs (no blocks to bucket by). 2.10 - 2.12 are unchecked.
 #: Below it the parameters are gathered one collective each (correct, more collectives).
 BUCKETING_MERGES = TORCH_VERSION >= (2, 13)
