@@ -163,7 +163,7 @@ class AutoSPBackend:
             return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
         partitioner = SACPartitioner(self.sac)
         stats = gm.meta["autosp"]
-        local = build_local_shapes(_example_values(gm), stats.seq_symbol, self.sp_size) if self.local_shapes and stats.sdpa else None
+        local = build_local_shapes(_example_values(gm), stats.seq_symbol, self.sp_size, offset=stats.seq_offset) if self.local_shapes and stats.sdpa else None
         if local is not None:
             return self._compile_local(gm, local, partitioner)
         compiled = self._compile_aot(gm, example_inputs, partitioner)
@@ -173,7 +173,7 @@ class AutoSPBackend:
         record = partitioner.records[-1]
         getters = _size_getters(gm)
         record.symbols = tuple(name for name, _, _ in getters)
-        record.length_symbols = {stats.seq_symbol: (1, None)} if stats.seq_symbol else {}
+        record.length_symbols = {stats.seq_symbol: (1, None, 0)} if stats.seq_symbol else {}
         self.saved_activations.append(record)
         return _recording_sizes(compiled, record, getters)
 
@@ -252,6 +252,12 @@ class AutoSPBackend:
     @property
     def max_shift(self) -> int:
         return max((g.max_shift for g in self.pass_stats), default=0)
+
+    @property
+    def seq_offset(self) -> int:
+        """The pass splits ``S + seq_offset`` of a batch's ``S`` positions (the model graphs'
+        :attr:`~lightning_autosp.passes.rewrite.SPPassStats.seq_offset`; the smallest if they differ)."""
+        return min((g.seq_offset for g in self.pass_stats if g.sdpa), default=0)
 
 
 class _BucketPass(CustomGraphPass):

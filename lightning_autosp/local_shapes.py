@@ -62,13 +62,15 @@ class LocalShapes:
     mode: FakeTensorMode
     inputs: list[Any]
     sp_size: int
-    #: the symbol of the per-rank chunk ``c`` and the constant ``r`` (``s = sp_size * c - r``);
+    #: the symbol of the per-rank chunk ``c`` and the constant ``r`` (``s + offset = sp_size * c - r``);
     #: ``remainder=None``: a general compile, where ``s`` has its own symbol (in ``others``) and
     #: ``c`` is an input the graph does not use
     chunk: sympy.Symbol
     remainder: Optional[int]
     #: where the global sequence length is read from the arguments
     seq_getter: Getter
+    #: the pass splits ``s + offset`` positions (``offset=-1``: the step runs the model on ``tokens[:, :-1]``)
+    offset: int = 0
     #: the other size symbols (fresh ones, in ``env``) and where their values are read
     others: dict[sympy.Symbol, Getter] = field(default_factory=dict)
     #: Dynamo's size symbols and where their values are read
@@ -78,7 +80,7 @@ class LocalShapes:
     def binding(self, args: tuple) -> Optional[dict[sympy.Symbol, int]]:
         """The values of this environment's symbols in a call, ``None`` if its sequence length
         has another remainder."""
-        s = _read(args, self.seq_getter)
+        s = _read(args, self.seq_getter) + self.offset
         c = chunk_size(s, self.sp_size)
         if self.remainder is not None and self.sp_size * c - s != self.remainder:
             return None
@@ -113,11 +115,11 @@ class LocalShapes:
     def symbol_names(self) -> tuple[str, ...]:
         return (str(self.chunk), *(str(s) for s in self.others))
 
-    def length_symbols(self) -> dict[str, tuple[int, Optional[int]]]:
+    def length_symbols(self) -> dict[str, tuple[int, Optional[int], int]]:
         """The symbols that follow the global sequence length ``S`` (see
         :attr:`~lightning_autosp.memory.accounting.SavedActivations.length_symbols`)."""
-        out: dict[str, tuple[int, Optional[int]]] = {str(self.chunk): (self.sp_size, self.remainder)}
-        out.update({str(sym): (1, None) for sym, getter in self.others.items() if getter == self.seq_getter})
+        out: dict[str, tuple[int, Optional[int], int]] = {str(self.chunk): (self.sp_size, self.remainder, self.offset)}
+        out.update({str(sym): (1, None, 0) for sym, getter in self.others.items() if getter == self.seq_getter})
         return out
 
     def symbol_values(self, args: tuple) -> tuple[int, ...]:
@@ -148,10 +150,11 @@ class _Unsupported(Exception):
 
 def build_local_shapes(
     example_inputs: list[Any], seq: Any, sp_size: int, hints: Optional[dict[sympy.Symbol, int]] = None,
-    exact: bool = True,
+    exact: bool = True, offset: int = 0,
 ) -> Optional[LocalShapes]:
-    """Fake inputs for compiling in a fresh shape environment with ``seq = sp_size*c - r``
-    (``exact=False``: with ``seq`` a symbol of its own, for every remainder).
+    """Fake inputs for compiling in a fresh shape environment with ``seq + offset = sp_size*c - r``
+    (``exact=False``: with ``seq`` a symbol of its own, for every remainder); ``offset`` is
+    :attr:`~lightning_autosp.passes.rewrite.SPPassStats.seq_offset`.
 
     ``example_inputs`` are the example values Dynamo recorded for the graph's inputs (fake
     tensors, SymInts) and ``seq`` the sequence symbol (or its name). ``hints`` gives the values
@@ -199,13 +202,13 @@ def build_local_shapes(
 
     env = ShapeEnv(duck_shape=False)
     mode = FakeTensorMode(shape_env=env)
-    s_val = hint(seq)
+    s_val = hint(seq) + offset
     c_val = chunk_size(s_val, sp_size)
     remainder = sp_size * c_val - s_val
     chunk = env.create_symbol(c_val, ConstantSource("autosp_chunk"), dynamic_dim=DimDynamic.DYNAMIC)
     if not isinstance(chunk, sympy.Symbol):  # specialized (c == 1): nothing to gain
         return None
-    subs: dict[sympy.Symbol, sympy.Expr] = {seq: sp_size * chunk - remainder} if exact else {}
+    subs: dict[sympy.Symbol, sympy.Expr] = {seq: sp_size * chunk - remainder - offset} if exact else {}
     others: dict[sympy.Symbol, Getter] = {}
     for sym, getter in getters.items():
         if sym in subs:
@@ -249,7 +252,7 @@ def build_local_shapes(
                 inputs.append(x)
     except _Unsupported:
         return None
-    return LocalShapes(env, mode, inputs, sp_size, chunk, remainder if exact else None, getters[seq], others, getters)
+    return LocalShapes(env, mode, inputs, sp_size, chunk, remainder if exact else None, getters[seq], offset, others, getters)
 
 
 class LocalShapeCompiled:
@@ -279,7 +282,8 @@ class LocalShapeCompiled:
                 return self._run(index, args)
         hints = {sym: _read(args, g) for sym, g in self._dynamo_getters.items()}
         # one general compile (the sequence length a symbol of its own) serves every other remainder
-        local = build_local_shapes(self._example_inputs, self._seq, self.variants[0][0].sp_size, hints, exact=False)
+        first = self.variants[0][0]
+        local = build_local_shapes(self._example_inputs, self._seq, first.sp_size, hints, exact=False, offset=first.offset)
         if local is None:  # the same inputs were built once, so only a size of 0 or 1 gets here
             raise RuntimeError(f"AutoSP: cannot compile the step for the sizes {hints} (a size of 0 or 1?)")
         log.info(
@@ -295,7 +299,7 @@ class LocalShapeCompiled:
         local, compiled = self.variants[index]
         if self._on_call is not None:
             self._on_call(index, local, args)
-        return compiled(chunk_size(_read(args, local.seq_getter), local.sp_size), *args)
+        return compiled(chunk_size(_read(args, local.seq_getter) + local.offset, local.sp_size), *args)
 
 
 def add_chunk_input(gm: torch.fx.GraphModule) -> None:

@@ -596,7 +596,10 @@ class AutoSPStrategy(DDPStrategy):
         if seq_len is None:
             return
         # The shift is known once the step has compiled; the pass checks the first batch itself.
-        check_sequence_fits(seq_len, self.sp_size, backend.max_shift if backend is not None else 0)
+        if backend is not None:
+            check_sequence_fits(seq_len + backend.seq_offset, self.sp_size, backend.max_shift)
+        else:
+            check_sequence_fits(seq_len, self.sp_size)
         self._marked = []
         for path, t in paths:
             for d in range(1, t.dim()):

@@ -133,8 +133,8 @@ def test_lengths_change_without_recompiling(tmp_path, backend):
     # for even lengths (S = 2c), where 40 reuses 24's code, and once for any length (31)
     for rec in run.ranks:
         first, general = rec["length_symbols"]
-        assert list(first.values()) == [(2, 0)]
-        assert sorted(general.values(), key=str) == [(1, None), (2, None)]
+        assert list(first.values()) == [(2, 0, 0)]
+        assert sorted(general.values(), key=str) == [(1, None, 0), (2, None, 0)]
 
 
 # ------------------------------------------------------------------ Hugging Face models

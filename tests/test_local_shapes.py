@@ -62,8 +62,8 @@ def test_sequence_length_is_a_polynomial_of_the_chunk():
     # a general compile (any remainder) keeps the length a symbol of its own
     general = build_local_shapes(values, seq, 4, exact=False)
     assert general.remainder is None
-    assert {str(general.chunk): (4, None)}.items() <= general.length_symbols().items()
-    assert any(div == 1 for div, _ in general.length_symbols().values())
+    assert {str(general.chunk): (4, None, 0)}.items() <= general.length_symbols().items()
+    assert any(div == 1 for div, _, _ in general.length_symbols().values())
 
 
 def test_inputs_that_share_storage_keep_dynamos_environment():
@@ -114,13 +114,13 @@ def test_saved_sizes_at_another_length_follow_the_compiles_symbols():
 
     c, s = sympy.Symbol("s7", integer=True, positive=True), sympy.Symbol("s8", integer=True, positive=True)
     exact = SavedActivations([SavedTensor("h", "linear", 4 * 16 * c, ("c", "16"), "float32")], symbols=("s7",), binding=(8,),
-                             length_symbols={"s7": (2, 0)})
+                             length_symbols={"s7": (2, 0, 0)})
     assert exact.bytes_by_kind()["linear"] == 4 * 16 * 8
     assert exact.bytes_by_kind(exact.binding_at(64))["linear"] == 4 * 16 * 32
     with pytest.raises(ValueError, match="compiled for sequence lengths"):
         exact.binding_at(63)
     general = SavedActivations([SavedTensor("h", "linear", 4 * s + c, ("s",), "float32")], symbols=("s7", "s8"), binding=(8, 15),
-                               length_symbols={"s7": (2, None), "s8": (1, None)})
+                               length_symbols={"s7": (2, None, 0), "s8": (1, None, 0)})
     assert general.bytes_by_kind(general.binding_at(63))["linear"] == 4 * 63 + 32
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from sp_harness import VOCAB, lm_loss, make_model, spawn
 from torch._dynamo.backends.common import aot_autograd
 
@@ -10,14 +11,16 @@ from lightning_autosp import AutoSPError
 from lightning_autosp.backend import AutoSPBackend
 from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes import sequence_parallel_pass
-from lightning_autosp.passes.sequence_parallel import SDPA, SEQ_GATHER, SEQ_SCATTER
+from lightning_autosp.passes.rewrite import SPRewrite
+from lightning_autosp.passes.sequence_parallel import SDPA, SEQ_GATHER, SEQ_SCATTER, _run, find_sequence_symbol
 from lightning_autosp.passes.sp_rules.attention import exchanged_source
 
 A2A = (SEQ_GATHER, SEQ_SCATTER)
 
 
-def capture(model, x, y, shift=False, dynamic=True):
-    """The Dynamo graph of a training-step-like function (no process group needed)."""
+def capture(model, x, y, shift=False, dynamic=True, step=None):
+    """The Dynamo graph of a training-step-like function (no process group needed); ``step(model,
+    x, y) -> loss`` replaces the default ``lm_loss(model(x), y, shift)``."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -27,7 +30,8 @@ def capture(model, x, y, shift=False, dynamic=True):
     if dynamic:
         torch._dynamo.mark_dynamic(x, 1)
         torch._dynamo.mark_dynamic(y, 1)
-    torch.compile(lambda a, b: lm_loss(model(a), b, shift), backend=backend)(x, y)
+    step = step or (lambda m, a, b: lm_loss(m(a), b, shift))
+    torch.compile(lambda a, b: step(model, a, b), backend=backend)(x, y)
     assert len(graphs) == 1
     return graphs[0]
 
@@ -60,6 +64,31 @@ def test_pass_rewrites_every_attention(kind, shift):
     # on CPU attention reads them unrepeated: enable_gqa, 1 KV head per rank for 2 query heads
     assert stats.native_gqa == (len(sdpa) if kind == "llama" else 0)
     assert all(n.kwargs.get("enable_gqa", False) == (kind == "llama") for n in sdpa)
+
+
+@pytest.mark.parametrize("inputs,targets,offset", [(slice(None, -1), slice(1, None), -1), (slice(1, -1), slice(2, None), -2)])
+def test_batch_sliced_before_the_model_is_the_sequence(inputs, targets, offset):
+    """``model(tokens[:, :-1])`` against ``tokens[:, 1:]`` (LitGPT's and nanoGPT's pretraining
+    loops): attention runs over ``S - 1`` positions, which the pass splits like the batch."""
+    step = lambda m, a, b: F.cross_entropy(m(a[:, inputs]).flatten(0, 1), a[:, targets].reshape(-1))  # noqa: E731
+    gm = capture(make_model("llama"), *batch(), step=step)
+    out = sequence_parallel_pass(gm, sp_size=2, sp_rank=1, group_name="unused")
+    stats = out.meta["autosp"]
+    assert (stats.sdpa, stats.all_to_all, stats.seq_offset, stats.fallbacks) == (2, 8, offset, [])
+    # negative control: the same graph read as a sequence of the batch's own length has no
+    # attention input with a sequence dim
+    rw = SPRewrite(gm, 2, 1, "unused", find_sequence_symbol(gm, 1), seq_offset=0)
+    with pytest.raises(AutoSPError, match=r"with no sequence dim at dim 2"):
+        _run(rw)
+
+
+def test_attention_over_a_fixed_length_is_an_error():
+    """A slice up to a fixed position (``tokens[:, :8]``) leaves attention a length that is not
+    the batch's: the error names the query and says how to slice instead."""
+    step = lambda m, a, b: F.cross_entropy(m(a[:, :8]).flatten(0, 1), b[:, :8].reshape(-1))  # noqa: E731
+    gm = capture(make_model("gpt"), *batch(), step=step)
+    with pytest.raises(AutoSPError, match=r"(?s)attention runs over 8 positions.*a fixed number.*`tokens\[:, :-1\]`"):
+        sequence_parallel_pass(gm, sp_size=2, sp_rank=0, group_name="unused")
 
 
 def test_heads_not_divisible_is_an_error():

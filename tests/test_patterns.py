@@ -1,7 +1,7 @@
 """Ordinary model code that once crashed inside the pass: a per-head 3-D attention bias,
 ``type_as``/``to`` with a tensor of another shape, ``var``/``std`` with positional ``unbiased``,
-a class-weighted loss whose ``ignore_index`` is not a class, and a batch whose first tensor is
-not the ``[B, S]`` token tensor. Each runs under sp=2 and is compared with one device on loss
+a class-weighted loss whose ``ignore_index`` is not a class, a batch whose first tensor is
+not the ``[B, S]`` token tensor, and a step that runs the model on ``tokens[:, :-1]``. Each runs under sp=2 and is compared with one device on loss
 and gradients, with the naive-sharding negative control. A batch tensor with a feature dim that
 happens to equal the sequence length gets a clear error."""
 
@@ -75,6 +75,9 @@ class PatternLM(nn.Module):
 
 
 def pattern_loss(model: PatternLM, batch) -> torch.Tensor:
+    if model.pattern == "slice_before_model":  # nanoGPT's and LitGPT's pretraining loops: attention runs over S - 1
+        tokens = batch["input_ids"]
+        return F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     logits = model(batch["input_ids"], batch.get("feats"))
     labels = batch["labels"]
     if model.pattern == "weighted_ignore_not_a_class":
@@ -84,7 +87,7 @@ def pattern_loss(model: PatternLM, batch) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
 
 
-PATTERNS = ["alibi_hss", "to_other_shape", "var_positional", "weighted_ignore_not_a_class", "features_first"]
+PATTERNS = ["alibi_hss", "to_other_shape", "var_positional", "weighted_ignore_not_a_class", "features_first", "slice_before_model"]
 
 
 @pytest.mark.slow

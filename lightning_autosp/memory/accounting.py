@@ -212,9 +212,10 @@ class SavedActivations:
     #: names of the size symbols (``"s0"``) and their values in the latest call
     symbols: tuple[str, ...] = ()
     binding: tuple[int, ...] = ()
-    #: the symbols that follow the global sequence length ``S``: name -> ``(divisor, remainder)``,
-    #: the symbol is ``ceil(S / divisor)``, for the lengths with ``divisor * ceil(S / divisor) - S
-    #: == remainder`` only (``None``: any length); see :meth:`binding_at`
+    #: the symbols that follow the global sequence length ``S``: name -> ``(divisor, remainder,
+    #: offset)``, the symbol is ``ceil(L / divisor)`` with ``L = S + offset`` (the positions the pass
+    #: splits), for the lengths with ``divisor * ceil(L / divisor) - L == remainder`` only (``None``:
+    #: any length); see :meth:`binding_at`
     length_symbols: dict = field(default_factory=dict)
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -229,12 +230,13 @@ class SavedActivations:
         call. Raises ``ValueError`` for a length the graph was not compiled for (another
         remainder modulo ``sp_size``: the sizes of another compile)."""
         out = dict(zip(self.symbols, self.binding))
-        for name, (divisor, remainder) in self.length_symbols.items():
-            value = -(-seq_len // divisor)
-            if remainder is not None and divisor * value - seq_len != remainder:
+        for name, (divisor, remainder, offset) in self.length_symbols.items():
+            length = seq_len + offset
+            value = -(-length // divisor)
+            if remainder is not None and divisor * value - length != remainder:
                 raise ValueError(
-                    f"this graph was compiled for sequence lengths S with {divisor}*ceil(S/{divisor}) - S == {remainder}; "
-                    f"{seq_len} is not one of them"
+                    f"this graph was compiled for sequence lengths S with {divisor}*ceil(L/{divisor}) - L == {remainder} "
+                    f"(L = S{offset:+d}); {seq_len} is not one of them"
                 )
             out[name] = value
         return out

@@ -1,6 +1,8 @@
 """Sequence placements of tensors in a Dynamo (torch IR) graph, and the size algebra they need.
 
-Vocabulary: ``s`` is the global sequence length (a SymInt symbol in the graph), ``c =
+Vocabulary: ``s`` is the global length of the sequence the pass splits (a SymInt symbol of the
+graph's inputs, or that symbol plus a constant when the step slices the batch before the
+model, ``model(tokens[:, :-1])``), ``c =
 ceil(s / sp_size)`` is the base chunk each SP rank owns (the last rank owns ``s - (sp_size-1)*c``,
 fewer when ``s`` is not divisible by ``sp_size``; :mod:`lightning_autosp.layout` holds this
 arithmetic), "dim" is a tensor dim.
@@ -109,7 +111,7 @@ class SizeEmitter:
     a ``size()`` call on a placeholder.
     """
 
-    def __init__(self, graph: fx.Graph, sources: dict[sympy.Symbol, Callable[[], fx.Node]], seq: sympy.Symbol, sp_size: int):
+    def __init__(self, graph: fx.Graph, sources: dict[sympy.Symbol, Callable[[], fx.Node]], seq: sympy.Expr, sp_size: int):
         self.graph = graph
         self.sources = sources
         self.seq = seq

@@ -30,7 +30,8 @@ class Redistributor:
         new_value: old node -> its value in ``graph`` (filled by the pass as it goes).
         placements: old node -> its placement (filled by the pass as it goes).
         size_sources: size symbol -> a function emitting a node that holds it.
-        seq: the symbol of the global sequence length.
+        seq: the global length of the sequence the pass splits (a size symbol, plus a constant
+            when the step slices the batch before the model).
         sp_size, sp_rank, group_name: this rank's SP group.
     """
 
@@ -40,7 +41,7 @@ class Redistributor:
         new_value: Mapping[fx.Node, Any],
         placements: Mapping[fx.Node, Any],
         size_sources: dict[sympy.Symbol, Callable[[], fx.Node]],
-        seq: sympy.Symbol,
+        seq: sympy.Expr,
         sp_size: int,
         sp_rank: int,
         group_name: str,

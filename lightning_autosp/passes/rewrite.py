@@ -30,6 +30,9 @@ class SPPassStats:
     all_to_all: int = 0
     fallbacks: list[str] = field(default_factory=list)
     seq_symbol: Optional[str] = None
+    #: the pass splits a sequence of ``seq_symbol + seq_offset`` positions, the length attention
+    #: runs over (-1 for a step that runs the model on ``tokens[:, :-1]``)
+    seq_offset: int = 0
     #: largest static shift of the sequence seen (``x[:, k:]``); the local chunk must be longer.
     max_shift: int = 0
     #: ``cross_entropy(linear(..))`` computed in chunks of tokens (:mod:`lightning_autosp.fused_loss`)
@@ -50,7 +53,7 @@ class SPRewrite:
 
     def __init__(
         self, gm: fx.GraphModule, sp_size: int, sp_rank: int, group_name: str, seq: sympy.Symbol, loss_chunk: Optional[int] = 0,
-        kv_before_repeat: bool = True, native_gqa: Optional[bool] = None,
+        kv_before_repeat: bool = True, native_gqa: Optional[bool] = None, seq_offset: int = 0,
     ):
         self.gm = gm
         #: rows per chunk of the fused vocabulary projection and loss (0: automatic, None: off)
@@ -63,14 +66,15 @@ class SPRewrite:
         self.sp_size = sp_size
         self.sp_rank = sp_rank
         self.group_name = group_name
-        self.seq = seq
+        #: the global length of the sequence the pass splits: the batch's ``seq`` plus ``seq_offset``
+        self.seq: sympy.Expr = sympy.expand(seq + seq_offset)
         self.graph = fx.Graph()
         self.new_value: dict[fx.Node, Any] = {}
         self.placements: dict[fx.Node, Any] = {}
-        self.stats = SPPassStats(seq_symbol=str(seq))
+        self.stats = SPPassStats(seq_symbol=str(seq), seq_offset=seq_offset)
         self.mutations: set[fx.Node] = set()  # new-graph nodes that mutate a tensor in place
         self.redistribute = Redistributor(
-            self.graph, self.new_value, self.placements, self._size_sources(), seq, sp_size, sp_rank, group_name
+            self.graph, self.new_value, self.placements, self._size_sources(), self.seq, sp_size, sp_rank, group_name
         )
 
     def _size_sources(self) -> dict[sympy.Symbol, Callable[[], fx.Node]]:

@@ -41,7 +41,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from lightning_autosp.errors import AutoSPError
+from lightning_autosp.errors import AutoSPError, user_source
 from lightning_autosp.layout import check_sequence_fits
 from lightning_autosp.passes.inplace import mutated_input, visit_inplace
 from lightning_autosp.passes.placement import is_tensor, shape_exprs
@@ -49,7 +49,7 @@ from lightning_autosp.passes.rewrite import SPPassStats, SPRewrite
 from lightning_autosp.passes.sp_rules import SDPA, SEQ_GATHER, SEQ_SCATTER, lookup
 from lightning_autosp.passes.sp_rules.attention import exchanged_source
 
-__all__ = ["sequence_parallel_pass", "SPPassStats", "SPRewrite", "find_sequence_symbol", "SDPA", "SEQ_GATHER", "SEQ_SCATTER"]
+__all__ = ["sequence_parallel_pass", "SPPassStats", "SPRewrite", "find_sequence_symbol", "attention_offset", "SDPA", "SEQ_GATHER", "SEQ_SCATTER"]
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,62 @@ def find_sequence_symbol(gm: fx.GraphModule, seq_dim: int) -> Optional[sympy.Sym
     if rest and rest[0][1] == n:
         if not gm.graph.find_nodes(op="call_function", target=SDPA):
             return None  # e.g. a metric update after a graph break: run it replicated, unchanged
+        for node, q, length in _attention_lengths(gm):
+            if not length.free_symbols:  # the inputs were cut to a fixed length: say so, not "several sizes"
+                raise _unrelated_length(node, q, length, best)
         raise AutoSPError(
             f"AutoSP found several symbolic sizes at seq_dim={seq_dim} of the graph inputs "
             f"({', '.join(str(s) for s in seen)}); inputs must share one sequence length. "
             "Check `seq_dim` or make the batch's tensors the same length."
         )
     return best
+
+
+def attention_offset(gm: fx.GraphModule, seq: sympy.Symbol) -> int:
+    """``k`` such that every attention of ``gm`` runs over ``seq + k`` positions: the sequence
+    the pass splits. ``k`` is 0 when the model runs on the batch as it is and, e.g., -1 when
+    the step slices the batch before the model (``model(tokens[:, :-1])``); 0 without attention.
+
+    Raises :class:`AutoSPError` when attention runs over a length the pass cannot relate to the
+    batch's (a fixed size, or not the batch's length plus a constant), or over several lengths.
+    """
+    found: dict[int, fx.Node] = {}
+    for node, q, length in _attention_lengths(gm):
+        k = sympy.expand(length - seq)
+        if not k.is_Integer:
+            raise _unrelated_length(node, q, length, seq)
+        found.setdefault(int(k), node)
+    if len(found) > 1:
+        lengths = ", ".join(f"{seq + k} ({n.name})" for k, n in sorted(found.items()))
+        raise AutoSPError(
+            f"AutoSP found attention over sequences of different lengths in one graph: {lengths}. It splits one "
+            "sequence per step; run attention on the same tokens everywhere (slice the batch once, before the model)."
+        )
+    return next(iter(found), 0)
+
+
+def _attention_lengths(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, sympy.Expr]]:
+    """``(attention, query, the query's sequence length)`` for every attention of ``gm``."""
+    out = []
+    for node in gm.graph.find_nodes(op="call_function", target=SDPA):
+        q = node.args[0] if node.args else node.kwargs.get("query")
+        val = q.meta.get("example_value") if isinstance(q, fx.Node) else None
+        if is_tensor(val) and val.dim() >= 2:  # else the attention rule reports it
+            out.append((node, q, shape_exprs(val)[val.dim() - 2]))
+    return out
+
+
+def _unrelated_length(node: fx.Node, q: fx.Node, length: sympy.Expr, seq: sympy.Symbol) -> AutoSPError:
+    fixed = not length.free_symbols
+    return AutoSPError(
+        f"{node.name}: attention runs over {length} positions (query {q.name}, shape "
+        f"{list(shape_exprs(q.meta['example_value']))}), " + ("a fixed number" if fixed else "a length")
+        + f" AutoSP cannot relate to the batch's sequence length {seq}; it splits a sequence whose length "
+        "follows the batch's (the batch itself, or a slice of it with fixed ends).\n"
+        + user_source(node) + "\n"
+        + "Slice the batch relative to its length (`tokens[:, :-1]`, `tokens[:, 1:]`), not up to a fixed "
+        "position (`tokens[:, :block_size]`): cut the batch to its length in the data pipeline instead."
+    )
 
 
 def _run(rw: SPRewrite) -> fx.Graph:
@@ -177,16 +227,17 @@ def _check_postcondition(graph: fx.Graph, stats: SPPassStats) -> None:
         raise AutoSPError(f"internal: {stats.all_to_all} all-to-alls for {stats.sdpa} attention calls (expected 4 each)")
 
 
-def _check_example_fits(gm: fx.GraphModule, seq: sympy.Symbol, sp_size: int, shift: int) -> None:
+def _check_example_fits(gm: fx.GraphModule, seq: sympy.Symbol, sp_size: int, shift: int, offset: int) -> None:
     """The batch this graph is compiled for must leave the last rank more than ``shift`` tokens
-    (later batches are checked by the strategy before each step, against the known shift)."""
+    of the ``seq + offset`` the pass splits (later batches are checked by the strategy before
+    each step, against the known shift and offset)."""
     for node in gm.graph.find_nodes(op="placeholder"):
         val = node.meta.get("example_value")
         sizes = val.shape if is_tensor(val) else (val,)
         for size in sizes:
             if isinstance(size, torch.SymInt) and size.node.expr == seq and size.node.hint is not None:
                 try:
-                    check_sequence_fits(int(size.node.hint), sp_size, shift)
+                    check_sequence_fits(int(size.node.hint) + offset, sp_size, shift)
                 except ValueError as exc:
                     raise AutoSPError(str(exc)) from None
                 return
@@ -236,10 +287,11 @@ def sequence_parallel_pass(
             )
         gm.meta["autosp"] = SPPassStats()
         return gm
-    rw = SPRewrite(gm, sp_size, sp_rank, group_name, seq, loss_chunk, kv_before_repeat, native_gqa)
+    offset = attention_offset(gm, seq)
+    rw = SPRewrite(gm, sp_size, sp_rank, group_name, seq, loss_chunk, kv_before_repeat, native_gqa, seq_offset=offset)
     graph = _run(rw)
     _check_postcondition(graph, rw.stats)
-    _check_example_fits(gm, seq, sp_size, rw.stats.max_shift)
+    _check_example_fits(gm, seq, sp_size, rw.stats.max_shift, offset)
     new_gm = fx.GraphModule(gm, graph)
     new_gm.meta["autosp"] = rw.stats
     if rw.stats.fallbacks:

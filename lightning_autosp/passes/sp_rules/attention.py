@@ -132,7 +132,10 @@ def _sequence_local(rw: "SPRewrite", node: fx.Node, n: fx.Node, seq_dim: int) ->
         if seq_dim not in rw.seq_dims(n):
             raise AutoSPError(
                 f"{node.name}: {n.name} has shape {list(rw.shape(n))} with no sequence dim at "
-                f"dim {seq_dim}; AutoSP expects SDPA inputs laid out as [B, H, S, D]."
+                f"dim {seq_dim}: AutoSP expects SDPA inputs laid out as [B, H, S, D], with S the {rw.seq} positions "
+                "the query attends over (keys and values as long as the queries: self-attention).\n"
+                + user_source(node) + "\n"
+                + "Transpose q, k and v to [B, H, S, D] before attention (`x.view(B, S, H, D).transpose(1, 2)`)."
             )
         return rw.redistribute.to_shard(n, rw.base_shard(seq_dim))
     if shard.dim != seq_dim or shard.inner != 1 or shard.off != 0 or sympy.simplify(shard.length - rw.seq) != 0:
