@@ -33,6 +33,9 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,plot]"
+	# LitGPT for tests/test_litgpt.py, without its dependencies: it pins an older jsonargparse
+	# than ours and imports fine with what we install (psutil is the one it lacks)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "litgpt==0.5.13" "psutil>=5"
 	touch $@
 
 demo: install

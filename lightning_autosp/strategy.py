@@ -722,13 +722,29 @@ def _find_cause(exc: Optional[BaseException], kind: type) -> Optional[BaseExcept
 def _describe_breaks(breaks: Counter) -> str:
     if not breaks:
         return ""
-    lines = "\n".join(f"  - {reason.splitlines()[0][:300]}" for reason in breaks)
+    lines = "\n".join(f"  - {_break_summary(reason)}" for reason in breaks)
+    data_dependent = any("depends on input Tensor data" in reason or reason.startswith("Dynamic shape operator") for reason in breaks)
     return (
         f"\nDynamo split this step into several graphs at these graph breaks:\n{lines}\n"
         "A graph break inside the model hides the sequence dim from the graphs after it. Remove "
         "print/logging calls from forward, replace data-dependent Python branches with torch.where, "
         "and keep such code in training_step after the loss (TORCH_LOGS=graph_breaks shows where they are)."
+        + (
+            "\nAn op whose output shape depends on the data (`torch.where(mask)` with one argument, `nonzero`, "
+            "indexing with a boolean mask - e.g. a mixture-of-experts router that gathers each expert's tokens, "
+            "as LitGPT's LLaMAMoE does) cannot be traced into the graph AutoSP splits: such a model is not supported. "
+            "Route with fixed shapes instead (every expert on every token, weighted by its gate; or a "
+            "scatter/gather by expert index with a fixed capacity)."
+            if data_dependent else ""
+        )
     )
+
+
+def _break_summary(reason: str) -> str:
+    """The first line of a Dynamo graph-break reason and its explanation (which names the op)."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    why = next((line.removeprefix("Explanation:").strip() for line in lines[1:] if line.startswith("Explanation:")), "")
+    return (f"{lines[0]}: {why}" if why else lines[0] if lines else reason)[:300]
 
 
 _ABSENT = object()

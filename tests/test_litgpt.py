@@ -1,0 +1,78 @@
+"""LitGPT (Lightning's LLM library) as a tested family: its ``GPT`` in several configurations,
+trained the way LitGPT's own recipes train it, each at sp=2 against one device (loss and
+gradients) with the naive-sharding negative control.
+
+* the pretraining recipe: the token batch sliced *before* the model (``tokens[:, :-1]`` in,
+  ``tokens[:, 1:]`` as targets), ``chunked_cross_entropy``;
+* the fine-tuning recipe: ``model(input_ids, lm_head_chunk_size=...)`` returns the logits in
+  chunks of the sequence, the last one shifted, ``chunked_cross_entropy`` over the list.
+
+LitGPT pins an older jsonargparse than ours; it imports fine with our dependencies, so
+``make install`` adds it without its dependencies (plus ``psutil``, which it imports).
+"""
+
+import pytest
+import torch
+from sp_harness import VOCAB, FnModule, TokenData, check_against_references, run_fit
+
+pytest.importorskip("litgpt")
+from litgpt.model import GPT, Config  # noqa: E402
+from litgpt.utils import chunked_cross_entropy  # noqa: E402
+
+#: a LitGPT configuration by name, shrunk (2 layers, 4 query heads of 8 dims), and what it exercises
+FAMILIES = {
+    "llama": ("Llama-3.2-1B", dict(n_query_groups=2, intermediate_size=64)),  # GQA, RoPE, RMSNorm, SwiGLU
+    "pythia": ("pythia-14m", {}),  # parallel residual, partial RoPE (a quarter of the head dims), LayerNorm, GELU
+    "falcon": ("falcon-7b", dict(n_query_groups=1)),  # MQA (1 KV head for 2 ranks), one norm shared by attention and MLP
+    "mixtral": (  # a mixture of experts routed with torch.where(mask): data-dependent shapes
+        "Mixtral-8x7B-v0.1", dict(n_query_groups=2, intermediate_size=64, n_expert=4, n_expert_per_token=2)
+    ),
+}
+
+
+def tiny_gpt(family: str, block_size: int = 64) -> GPT:
+    name, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = Config.from_name(
+        name, n_layer=2, n_embd=32, n_head=4, head_size=8, vocab_size=VOCAB, padded_vocab_size=VOCAB, block_size=block_size, **extra
+    )
+    return GPT(config)
+
+
+def pretrain_loss(model: GPT, batch) -> torch.Tensor:
+    """LitGPT's pretraining step: inputs and targets sliced from one token batch before the model."""
+    tokens = batch["input_ids"]
+    input_ids, targets = tokens[:, :-1], tokens[:, 1:]
+    return chunked_cross_entropy(model(input_ids), targets)
+
+
+def finetune_loss(model: GPT, batch) -> torch.Tensor:
+    """LitGPT's fine-tuning step: logits in chunks of the sequence, shifted after the model
+    (chunks of 5 of the 18 tokens: the last, 3 long, keeps 2 after the shift - a size of 1
+    would make Dynamo specialize the sequence length)."""
+    logits = model(batch["input_ids"], lm_head_chunk_size=5)
+    logits[-1] = logits[-1][..., :-1, :]
+    return chunked_cross_entropy(logits, batch["labels"][..., 1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family,recipe", [("llama", "pretrain"), ("pythia", "pretrain"), ("falcon", "pretrain"), ("llama", "finetune")]
+)
+def test_litgpt_matches_one_device(tmp_path, family, recipe):
+    """18 tokens: the pretraining recipe's 17 positions split 9 + 8 over the two ranks."""
+    factory = lambda: tiny_gpt(family)  # noqa: E731
+    loss_fn = pretrain_loss if recipe == "pretrain" else finetune_loss
+    run = run_fit(tmp_path, FnModule(factory, loss_fn, log_loss=False), TokenData(8, 18), devices=2, sp_size=2, steps=2)
+    check_against_references(run, 2, factory, loss_fn)
+    graphs = run.ranks[0]["graphs"]["training_step"]
+    assert sum(g.sdpa for g in graphs) == 2
+    assert {g.seq_offset for g in graphs if g.sdpa} == {-1 if recipe == "pretrain" else 0}
+
+
+def test_litgpt_moe_router_is_a_clear_error(tmp_path):
+    """LitGPT's LLaMAMoE gathers each expert's tokens with ``torch.where(mask)``: a shape that
+    depends on the data, which Dynamo cannot trace. The error names the op and the way out."""
+    factory = lambda: tiny_gpt("mixtral")  # noqa: E731
+    with pytest.raises(Exception, match=r"(?s)aten\.nonzero.*mixture-of-experts router.*not supported.*fixed shapes"):
+        run_fit(tmp_path, FnModule(factory, pretrain_loss, log_loss=False), TokenData(4, 18), devices=2, sp_size=2, steps=1)
