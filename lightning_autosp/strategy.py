@@ -638,7 +638,9 @@ class AutoSPStrategy(DDPStrategy):
                 f"AutoSP found no attention to parallelize in `{type(self.lightning_module).__name__}.{step}`: "
                 "sequence parallelism splits attention heads across the SP group, so the model must call "
                 "`torch.nn.functional.scaled_dot_product_attention` (for Hugging Face models: "
-                "attn_implementation='sdpa'). Hand-written attention (softmax(q @ k.T)) is not supported."
+                "attn_implementation='sdpa') or write attention over heads, `softmax(q @ k.transpose(-2, -1) * scale "
+                "+ mask) @ v` with q, k, v laid out [B, H, S, D] (single-head [B, S, D] attention has no heads to "
+                "split; see the supported-models page for the steps allowed between the two matmuls)."
             )
         for g in backend.pass_stats:
             if g.fallbacks:
@@ -654,12 +656,18 @@ class AutoSPStrategy(DDPStrategy):
         except Exception as exc:
             violation = _find_cause(exc, ConstraintViolationError)
             if violation is not None:
+                where = _specialized_at(str(violation))
                 raise AutoSPError(
                     "AutoSP marks every dim of the batch whose size equals the sequence length as a sequence dim "
-                    f"({', '.join(self._marked)}), but the step uses one of them as a fixed size - a feature "
-                    f"dim that happens to equal the sequence length?\n{str(violation).splitlines()[0]}\n"
-                    "Give that tensor a size other than the sequence length (or a sequence length other than "
-                    "its size), or move it out of the batch (a buffer of the module, for example)."
+                    f"({', '.join(self._marked)}), but the step uses one of them as a fixed size.\n"
+                    f"{str(violation).splitlines()[0]}\n"
+                    + (f"Dynamo fixed it here:\n{where}\n" if where else "")
+                    + "Either the code there turns the sequence length into a Python number (a loop "
+                    "`for i in range(T)` or a Python `if` over the length, e.g. a mask built row by row: "
+                    "build it with tensor ops such as `torch.arange(T)[:, None] - torch.arange(T)` instead), "
+                    "or that tensor has a feature dim that happens to equal the sequence length: give it a size "
+                    "other than the sequence length (or a sequence length other than its size), or move it out "
+                    "of the batch (a buffer of the module, for example)."
                 ) from exc
             cause = _find_cause(exc, AutoSPError)
             if cause is None:
@@ -717,6 +725,16 @@ def _find_cause(exc: Optional[BaseException], kind: type) -> Optional[BaseExcept
             return exc
         exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
     return None
+
+
+def _specialized_at(violation: str) -> str:
+    """The innermost frame of the "User stack" in Dynamo's ConstraintViolationError: the code
+    that made a marked size a constant."""
+    lines = violation.split("User stack:", 1)[1].splitlines() if "User stack:" in violation else []
+    frames = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
+    if not frames:
+        return ""
+    return "\n".join(line for line in lines[frames[-1] : frames[-1] + 2] if line.strip())
 
 
 def _describe_breaks(breaks: Counter) -> str:

@@ -24,6 +24,8 @@ FAMILIES = {
     "llama": ("Llama-3.2-1B", dict(n_query_groups=2, intermediate_size=64)),  # GQA, RoPE, RMSNorm, SwiGLU
     "pythia": ("pythia-14m", {}),  # parallel residual, partial RoPE (a quarter of the head dims), LayerNorm, GELU
     "falcon": ("falcon-7b", dict(n_query_groups=1)),  # MQA (1 KV head for 2 ranks), one norm shared by attention and MLP
+    # soft-capped logits (attention written by hand), GeGLU, extra norms; its sliding-window layers off
+    "gemma2": ("Gemma-2-2b", dict(n_query_groups=2, intermediate_size=64, sliding_window_size=None)),
     "mixtral": (  # a mixture of experts routed with torch.where(mask): data-dependent shapes
         "Mixtral-8x7B-v0.1", dict(n_query_groups=2, intermediate_size=64, n_expert=4, n_expert_per_token=2)
     ),
@@ -57,7 +59,8 @@ def finetune_loss(model: GPT, batch) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "family,recipe", [("llama", "pretrain"), ("pythia", "pretrain"), ("falcon", "pretrain"), ("llama", "finetune")]
+    "family,recipe",
+    [("llama", "pretrain"), ("pythia", "pretrain"), ("falcon", "pretrain"), ("gemma2", "pretrain"), ("llama", "finetune")],
 )
 def test_litgpt_matches_one_device(tmp_path, family, recipe):
     """18 tokens: the pretraining recipe's 17 positions split 9 + 8 over the two ranks."""
@@ -66,8 +69,9 @@ def test_litgpt_matches_one_device(tmp_path, family, recipe):
     run = run_fit(tmp_path, FnModule(factory, loss_fn, log_loss=False), TokenData(8, 18), devices=2, sp_size=2, steps=2)
     check_against_references(run, 2, factory, loss_fn)
     graphs = run.ranks[0]["graphs"]["training_step"]
-    assert sum(g.sdpa for g in graphs) == 2
-    assert {g.seq_offset for g in graphs if g.sdpa} == {-1 if recipe == "pretrain" else 0}
+    assert sum(g.attention for g in graphs) == 2
+    assert sum(g.manual_attention for g in graphs) == (2 if family == "gemma2" else 0)
+    assert {g.seq_offset for g in graphs if g.attention} == {-1 if recipe == "pretrain" else 0}
 
 
 def test_litgpt_moe_router_is_a_clear_error(tmp_path):
@@ -75,4 +79,18 @@ def test_litgpt_moe_router_is_a_clear_error(tmp_path):
     depends on the data, which Dynamo cannot trace. The error names the op and the way out."""
     factory = lambda: tiny_gpt("mixtral")  # noqa: E731
     with pytest.raises(Exception, match=r"(?s)aten\.nonzero.*mixture-of-experts router.*not supported.*fixed shapes"):
+        run_fit(tmp_path, FnModule(factory, pretrain_loss, log_loss=False), TokenData(4, 18), devices=2, sp_size=2, steps=1)
+
+
+def test_litgpt_sliding_window_mask_is_a_clear_error(tmp_path):
+    """LitGPT builds Gemma-2's sliding-window mask row by row (``for i in range(T)``), which makes
+    the sequence length a Python number: the error points at that line, not at the batch."""
+    def factory():
+        model = tiny_gpt("gemma2")
+        for block in model.transformer.h:
+            block.attn.apply_sliding_window_attention = True
+            block.attn.config.sliding_window_size = 4
+        return model
+
+    with pytest.raises(Exception, match=r"(?s)fixed size.*Dynamo fixed it here:.*litgpt/model\.py.*for i in range\(T\)"):
         run_fit(tmp_path, FnModule(factory, pretrain_loss, log_loss=False), TokenData(4, 18), devices=2, sp_size=2, steps=1)

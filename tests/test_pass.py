@@ -91,6 +91,33 @@ def test_attention_over_a_fixed_length_is_an_error():
         sequence_parallel_pass(gm, sp_size=2, sp_rank=0, group_name="unused")
 
 
+@pytest.mark.parametrize("pattern", ["manual_softcap", "manual_bias"])
+def test_hand_written_attention_is_rewritten(pattern):
+    """``softmax(q @ k^T ..) @ v`` by hand (soft-capping, masks, a per-head bias, dtype
+    conversions): the same four all-to-alls as SDPA; the per-head bias narrowed to the rank's heads."""
+    from test_patterns import PatternLM
+
+    step = lambda m, a, b: F.cross_entropy(m(a).flatten(0, 1), b.reshape(-1))  # noqa: E731
+    out = sequence_parallel_pass(capture(PatternLM(pattern), *batch(), step=step), sp_size=2, sp_rank=1, group_name="unused")
+    stats = out.meta["autosp"]
+    assert (stats.manual_attention, stats.sdpa, stats.all_to_all, stats.fallbacks) == (2, 0, 8, [])
+    narrowed = [n for n in out.graph.nodes if n.target is torch.narrow]
+    assert len(narrowed) == (2 if pattern == "manual_bias" else 0)
+    assert all(n.args[2:] == (2, 2) for n in narrowed)  # rank 1 of 2: heads 2 and 3 of 4
+
+
+def test_hand_written_attention_with_an_unknown_step_runs_replicated():
+    """Negative control of the matcher: a step it does not know between the two matmuls (the
+    scores read twice) leaves the chain alone - the attention runs whole, reported as a fallback."""
+    from test_patterns import PatternLM
+
+    step = lambda m, a, b: F.cross_entropy(m(a).flatten(0, 1), b.reshape(-1))  # noqa: E731
+    out = sequence_parallel_pass(capture(PatternLM("manual_stable"), *batch(), step=step), sp_size=2, sp_rank=1, group_name="unused")
+    stats = out.meta["autosp"]
+    assert (stats.manual_attention, stats.all_to_all) == (0, 0)
+    assert any("matmul" in f for f in stats.fallbacks)
+
+
 def test_heads_not_divisible_is_an_error():
     gm = capture(make_model("gpt"), *batch(18))
     with pytest.raises(AutoSPError, match=r"4 attention heads.*not divisible by sp_size=3"):

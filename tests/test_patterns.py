@@ -5,6 +5,8 @@ not the ``[B, S]`` token tensor, and a step that runs the model on ``tokens[:, :
 and gradients, with the naive-sharding negative control. A batch tensor with a feature dim that
 happens to equal the sequence length gets a clear error."""
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -46,6 +48,24 @@ class PatternLM(nn.Module):
         bias = -self.slopes[:, None, None] * dist.abs()  # [H, S, S]
         return bias.masked_fill(dist < 0, float("-inf"))
 
+    def _manual_attention(self, q, k, v, bias):
+        """Attention by hand: Gemma-2's soft-capped logits and a boolean causal mask
+        (``manual_softcap``), or an additive per-head bias ``[H, S, S]`` with k transposed by
+        ``mT`` and the probabilities computed in float64 and converted back (``manual_bias``)."""
+        S = q.size(-2)
+        if self.pattern == "manual_stable":  # scores read twice (a stable softmax by hand): not matched
+            scores = q @ k.transpose(-2, -1)
+            e = torch.exp(scores - scores.amax(-1, keepdim=True))
+            return (e / e.sum(-1, keepdim=True)) @ v
+        if self.pattern == "manual_softcap":
+            scores = q @ k.transpose(-2, -1) / math.sqrt(self.hd)
+            scores = torch.tanh(scores / 5.0) * 5.0
+            causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+            probs = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+            return F.dropout(probs, p=0.0, training=self.training) @ v
+        scores = torch.matmul(q, k.mT) * self.hd**-0.5 + bias
+        return F.softmax(scores, dim=-1, dtype=torch.float64).to(q.dtype) @ v
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.layer_norm(x, x.shape[-1:])
         if self.pattern == "var_positional":  # torch.var(x, dim, unbiased, keepdim), x.std(dim, unbiased, keepdim)
@@ -63,10 +83,12 @@ class PatternLM(nn.Module):
             x = x.type_as(self.head.weight)  # reference of another shape: only its dtype counts
             pos = torch.arange(S, device=idx.device).to(x) / S  # [S], converted like x
             x = x + pos[None, :, None]
-        bias = self._bias(S, idx.device) if self.pattern == "alibi_hss" else None
+        bias = self._bias(S, idx.device) if self.pattern in ("alibi_hss", "manual_bias") else None
         for qkv, o in zip(self.qkv, self.o):
             q, k, v = qkv(self._norm(x)).view(B, S, 3 * self.h, self.hd).transpose(1, 2).chunk(3, dim=1)  # [B, H, S, D]
-            if bias is None:
+            if self.pattern.startswith("manual"):
+                y = self._manual_attention(q, k, v, bias)
+            elif bias is None:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
@@ -87,7 +109,10 @@ def pattern_loss(model: PatternLM, batch) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
 
 
-PATTERNS = ["alibi_hss", "to_other_shape", "var_positional", "weighted_ignore_not_a_class", "features_first", "slice_before_model"]
+PATTERNS = [
+    "alibi_hss", "to_other_shape", "var_positional", "weighted_ignore_not_a_class", "features_first", "slice_before_model",
+    "manual_softcap", "manual_bias",
+]
 
 
 @pytest.mark.slow
@@ -98,7 +123,8 @@ def test_pattern_matches_one_device(tmp_path, pattern):
     run = run_fit(tmp_path, FnModule(factory, pattern_loss, log_loss=False), data, devices=2, sp_size=2)
     loss_err, grad_err, naive = check_against_references(run, 2, factory, pattern_loss)
     graphs = run.ranks[0]["graphs"]["training_step"]
-    assert sum(g.sdpa for g in graphs) == 2 and all(not g.fallbacks for g in graphs)
+    assert sum(g.attention for g in graphs) == 2 and all(not g.fallbacks for g in graphs), [g.fallbacks for g in graphs]
+    assert sum(g.manual_attention for g in graphs) == (2 if pattern.startswith("manual") else 0)
 
 
 def test_feature_dim_equal_to_the_sequence_length_is_a_clear_error(tmp_path):

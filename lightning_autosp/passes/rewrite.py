@@ -41,6 +41,13 @@ class SPPassStats:
     kv_exchanged_unrepeated: int = 0
     #: attention calls given those KV heads unrepeated (``enable_gqa=True``) instead of repeated after the exchange
     native_gqa: int = 0
+    #: hand-written attention (``softmax(q @ k^T ..) @ v``) rewritten like SDPA (:mod:`.sp_rules.manual_attention`)
+    manual_attention: int = 0
+
+    @property
+    def attention(self) -> int:
+        """Attention calls rewritten: SDPA and hand-written."""
+        return self.sdpa + self.manual_attention
 
 
 class SPRewrite:
@@ -73,6 +80,8 @@ class SPRewrite:
         self.placements: dict[fx.Node, Any] = {}
         self.stats = SPPassStats(seq_symbol=str(seq), seq_offset=seq_offset)
         self.mutations: set[fx.Node] = set()  # new-graph nodes that mutate a tensor in place
+        #: old node -> the hand-written attention chain it belongs to (filled by the driver)
+        self.manual: dict[fx.Node, Any] = {}
         self.redistribute = Redistributor(
             self.graph, self.new_value, self.placements, self._size_sources(), self.seq, sp_size, sp_rank, group_name
         )

@@ -48,6 +48,7 @@ from lightning_autosp.passes.placement import is_tensor, shape_exprs
 from lightning_autosp.passes.rewrite import SPPassStats, SPRewrite
 from lightning_autosp.passes.sp_rules import SDPA, SEQ_GATHER, SEQ_SCATTER, lookup
 from lightning_autosp.passes.sp_rules.attention import exchanged_source
+from lightning_autosp.passes.sp_rules.manual_attention import expected_all_to_alls, find_manual_attention, rewrite_manual_attention
 
 __all__ = ["sequence_parallel_pass", "SPPassStats", "SPRewrite", "find_sequence_symbol", "attention_offset", "SDPA", "SEQ_GATHER", "SEQ_SCATTER"]
 
@@ -69,7 +70,7 @@ def find_sequence_symbol(gm: fx.GraphModule, seq_dim: int) -> Optional[sympy.Sym
         return None
     (best, n), *rest = seen.most_common()
     if rest and rest[0][1] == n:
-        if not gm.graph.find_nodes(op="call_function", target=SDPA):
+        if not _attention_lengths(gm):
             return None  # e.g. a metric update after a graph break: run it replicated, unchanged
         for node, q, length in _attention_lengths(gm):
             if not length.free_symbols:  # the inputs were cut to a fixed length: say so, not "several sizes"
@@ -106,13 +107,16 @@ def attention_offset(gm: fx.GraphModule, seq: sympy.Symbol) -> int:
 
 
 def _attention_lengths(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, sympy.Expr]]:
-    """``(attention, query, the query's sequence length)`` for every attention of ``gm``."""
+    """``(attention, query, the query's sequence length)`` for every attention of ``gm``: SDPA
+    calls and hand-written attention (its first matmul)."""
     out = []
     for node in gm.graph.find_nodes(op="call_function", target=SDPA):
         q = node.args[0] if node.args else node.kwargs.get("query")
         val = q.meta.get("example_value") if isinstance(q, fx.Node) else None
         if is_tensor(val) and val.dim() >= 2:  # else the attention rule reports it
             out.append((node, q, shape_exprs(val)[val.dim() - 2]))
+    for attn in find_manual_attention(gm):
+        out.append((attn.first, attn.q, shape_exprs(attn.q.meta["example_value"])[-2]))
     return out
 
 
@@ -150,6 +154,13 @@ def _run(rw: SPRewrite) -> fx.Graph:
 def _visit(rw: SPRewrite, node: fx.Node) -> None:
     if node.op == "call_function":
         _refuse_attention_in_subgraph(rw.gm, node)
+    attn = rw.manual.get(node)
+    if attn is not None:  # hand-written attention: the whole chain is emitted at its last matmul
+        if node is attn.last:
+            rw.record(node, *rewrite_manual_attention(rw, attn))
+        else:  # read only by the next step of the chain (checked by the match)
+            rw.record(node, None, None)
+        return
     mutated = mutated_input(rw, node)
     if mutated is not None:
         return visit_inplace(rw, node, mutated, lookup)
@@ -218,13 +229,16 @@ def _exchanged_output(u: fx.Node) -> bool:
     return u.target is torch.transpose and len(u.users) > 0 and all(v.target is SEQ_SCATTER for v in u.users)
 
 
-def _check_postcondition(graph: fx.Graph, stats: SPPassStats) -> None:
+def _check_postcondition(graph: fx.Graph, stats: SPPassStats, manual_all_to_alls: int) -> None:
     graph.lint()
     for n in graph.find_nodes(op="call_function", target=SDPA):
         if not all(_exchanged_input(a) for a in n.args[:3]) or not all(_exchanged_output(u) for u in n.users):
             raise AutoSPError(f"internal: attention {n.name} was not fully rewritten for sequence parallelism")
-    if stats.all_to_all != 4 * stats.sdpa:
-        raise AutoSPError(f"internal: {stats.all_to_all} all-to-alls for {stats.sdpa} attention calls (expected 4 each)")
+    if stats.all_to_all != 4 * stats.sdpa + manual_all_to_alls:
+        raise AutoSPError(
+            f"internal: {stats.all_to_all} all-to-alls for {stats.sdpa} attention calls (4 each) and "
+            f"{stats.manual_attention} hand-written ones ({manual_all_to_alls} in all)"
+        )
 
 
 def _check_example_fits(gm: fx.GraphModule, seq: sympy.Symbol, sp_size: int, shift: int, offset: int) -> None:
@@ -275,7 +289,8 @@ def sequence_parallel_pass(
     if sp_size < 1 or not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} must lie in [0, sp_size={sp_size})")
     seq = find_sequence_symbol(gm, seq_dim)
-    n_sdpa = len(gm.graph.find_nodes(op="call_function", target=SDPA))
+    manual = find_manual_attention(gm)
+    n_sdpa = len(gm.graph.find_nodes(op="call_function", target=SDPA)) + len(manual)
     if seq is None:
         if n_sdpa:
             raise AutoSPError(
@@ -289,8 +304,10 @@ def sequence_parallel_pass(
         return gm
     offset = attention_offset(gm, seq)
     rw = SPRewrite(gm, sp_size, sp_rank, group_name, seq, loss_chunk, kv_before_repeat, native_gqa, seq_offset=offset)
+    for attn in manual:
+        rw.manual.update(dict.fromkeys(attn.nodes, attn))
     graph = _run(rw)
-    _check_postcondition(graph, rw.stats)
+    _check_postcondition(graph, rw.stats, sum(expected_all_to_alls(rw, attn) for attn in manual))
     _check_example_fits(gm, seq, sp_size, rw.stats.max_shift, offset)
     new_gm = fx.GraphModule(gm, graph)
     new_gm.meta["autosp"] = rw.stats

@@ -52,6 +52,8 @@ ELEMENTWISE_OPS = (
     # dtype, layout and copies
     op("float"), op("half"), op("bfloat16"), op("double"), op("int"), op("long"), op("bool"), op("type"),
     op("contiguous"), op("clone", torch.clone), op("detach"),
+    # ``dst.copy_(src)``: in place, see passes/inplace.py (the result is dst's placement)
+    op("copy"),
     # new tensors shaped like their input
     op("zeros_like", torch.zeros_like, method=False), op("ones_like", torch.ones_like, method=False),
     op("empty_like", torch.empty_like, method=False), op("full_like", torch.full_like, method=False),
@@ -345,5 +347,25 @@ def size(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
 
 @sp_rule(op("new_zeros"), op("new_ones"), op("new_empty"), op("new_full"), op("new_tensor"))
 def create(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
-    """``x.new_zeros(size)`` and friends: a fresh replicated tensor of the given (global) size."""
-    return rw.copy(node), REPLICATE
+    """``x.new_zeros(size)`` and friends (``x`` split over the sequence lends dtype and device).
+
+    A buffer with one dim as long as the sequence is created split like the activations, at
+    its local size, so that writes of split data into slices of it that keep the sequence dim
+    whole (``buf[..., :d].copy_(k)``, as DeepSeek-V3's attention assembles q and k) run on the
+    local values; every element starts equal (zeros, ones, a fill value or uninitialised), so a
+    rank's part of the buffer is the buffer's part. Any other size (and ``new_tensor``, which
+    holds data) gives a replicated tensor of the given global size."""
+    dims = rw.seq_dims(node)
+    if call.name == "new_tensor" or len(dims) != 1 or "size" in node.kwargs:
+        return rw.copy(node), REPLICATE
+    args = list(rw.new(node.args))
+    packed = len(args) >= 2 and isinstance(args[1], (tuple, list))
+    if call.name == "new_full" and not packed:  # new_full(size, fill_value)
+        return rw.copy(node), REPLICATE
+    sizes = list(args[1]) if packed else args[1:]
+    if len(sizes) != rw.val(node).dim():
+        return rw.copy(node), REPLICATE
+    shard = rw.base_shard(dims[0])
+    sizes[dims[0]] = rw.redistribute.local_size(sympy.Integer(1), shard)
+    new_args = [args[0], tuple(sizes), *args[2:]] if packed else [args[0], *sizes]
+    return rw.copy(node, new_args), shard

@@ -102,3 +102,44 @@ def along_dim(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     if not isinstance(shard, Shard) or not isinstance(dim, int) or norm_dim(dim, rw.val(x).dim()) == shard.dim:
         return None
     return rw.copy(node), shard
+
+
+def _dim_arg(node: fx.Node, position: int, default: Optional[int] = None) -> Optional[int]:
+    dim = node.kwargs.get("dim", node.args[position] if len(node.args) > position else default)
+    return dim if isinstance(dim, int) else None
+
+
+@sp_rule(op("topk", torch.topk), op("sort", torch.sort))
+def select_along_dim(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
+    """``topk``/``sort`` along a dim other than the sequence (a router's top experts per token):
+    values and indices keep the input's split."""
+    x = node.args[0]
+    shard = rw.placements[x]
+    dim = _dim_arg(node, 2 if call.name == "topk" else 1, -1)
+    if not isinstance(shard, Shard) or dim is None or norm_dim(dim, rw.val(x).dim()) == shard.dim:
+        return None
+    if any(rw.is_shard(n) for n in rw.tensor_inputs(node)[1:]):
+        return None
+    return rw.copy(node), (shard, shard)
+
+
+@sp_rule(op("gather", torch.gather), op("scatter", torch.scatter), op("scatter_add", torch.scatter_add))
+def index_along_dim(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
+    """``gather``/``scatter``/``scatter_add`` along a dim other than the sequence (a router's
+    weights of its chosen experts, a mask of chosen groups): the input, the index and the source
+    hold the same positions of the sequence, so each rank works on its own (an index or source
+    held whole is sliced like the input)."""
+    from lightning_autosp.passes.sp_rules.shape import elementwise
+
+    x = node.args[0]
+    dim = _dim_arg(node, 1)
+    shards = [rw.placements[n] for n in rw.tensor_inputs(node) if rw.is_shard(n)]
+    if dim is None or not shards or any(norm_dim(dim, rw.val(x).dim()) == s.dim for s in shards):
+        return None
+    # every tensor holds the same positions: the same dims, the same sequence length (an index
+    # shorter along the sequence would pick other rows on each rank; broadcasting is no excuse)
+    seq = shards[0].dim
+    tensors = [*rw.tensor_inputs(node), node]
+    if any(rw.val(n).dim() != rw.val(x).dim() or rw.shape(n)[seq] != rw.shape(x)[seq] for n in tensors):
+        return None
+    return elementwise(rw, node, call)
