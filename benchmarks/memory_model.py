@@ -60,7 +60,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch.utils._pytree import tree_leaves
 
 from lightning_autosp import fused_loss
-from lightning_autosp.memory.accounting import is_alias
+from lightning_autosp.passes.accounting import is_alias
 from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes import sequence_parallel_pass
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner

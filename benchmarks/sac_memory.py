@@ -34,7 +34,7 @@ from _common import (
 )
 
 from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.memory.accounting import OP_KINDS, SavedTensor
+from lightning_autosp.passes.accounting import OP_KINDS, SavedTensor
 from lightning_autosp.examples.models import Llama
 from lightning_autosp.passes.sac import SACConfig
 

@@ -25,3 +25,5 @@ if "autosp" not in StrategyRegistry:
         AutoSPStrategy,
         description="Ulysses sequence parallelism by compiler pass, one SP group per node",
     )
+
+from lightning_autosp import fabric  # noqa: E402,F401  (registers "autosp" for Fabric too)

@@ -16,7 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from lightning_autosp._gc import full_collections_deferred
 from lightning_autosp.local_shapes import LocalShapeCompiled, LocalShapes, add_chunk_input, build_local_shapes
-from lightning_autosp.memory.accounting import SavedActivations, empty_by_kind
+from lightning_autosp.passes.accounting import SavedActivations, empty_by_kind
 from lightning_autosp.passes import SPPassStats, sequence_parallel_pass
 from lightning_autosp.passes.bucketing import BucketStats, bucket_parameter_collectives_pass
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner
@@ -42,7 +42,7 @@ class CompiledStep:
             all-to-alls inserted, ops run replicated).
         saved_activations: one record per training graph compiled with an AOT backend (none for
             inference graphs or ``"eager"``): the tensors its forward saves for backward and its
-            calls so far (:class:`~lightning_autosp.memory.accounting.SavedActivations`, whose
+            calls so far (:class:`~lightning_autosp.passes.accounting.SavedActivations`, whose
             ``bytes_by_kind()`` sizes the latest call).
     """
 
@@ -101,7 +101,7 @@ class AutoSPBackend:
     autograd's ``partition_fn``, or inductor's ``custom_partitioner_fn`` config patch): with
     ``sac`` set it applies sequence-aware activation checkpointing, and either way it records
     the activations each training graph saves for backward in ``saved_activations`` (one
-    :class:`~lightning_autosp.memory.accounting.SavedActivations` per graph, sized for its
+    :class:`~lightning_autosp.passes.accounting.SavedActivations` per graph, sized for its
     latest call). Any other registered backend name is looked up and called unchanged after the
     SP pass; it gets no records, and ``sac`` is refused with it (``"eager"`` included).
 
@@ -110,7 +110,7 @@ class AutoSPBackend:
     (:mod:`lightning_autosp.local_shapes`): the local lengths are plain symbols, which compiles
     faster, and AutoSP checks that compile's guards on every call itself. The records' sizes
     then use that environment's symbols (:attr:`SavedActivations.length_symbols
-    <lightning_autosp.memory.accounting.SavedActivations.length_symbols>` says how they follow
+    <lightning_autosp.passes.accounting.SavedActivations.length_symbols>` says how they follow
     the sequence length).
     """
 

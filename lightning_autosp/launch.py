@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import itertools
 
+from typing import Optional
+
 import torch
 
 from lightning_autosp._compat import FORK_AFTER_COMPILE_BREAKS_AUTOGRAD
@@ -48,7 +50,7 @@ def unshare(module: torch.nn.Module) -> int:
     return copied
 
 
-def prepare_rank(start_method: str, module: torch.nn.Module) -> None:
+def prepare_rank(start_method: str, module: Optional[torch.nn.Module] = None) -> None:
     """Run in each rank before it builds groups: the checks above for ``start_method``."""
     if start_method == "fork" and not autograd_runs_after_fork():
         raise AutoSPError(
@@ -58,5 +60,5 @@ def prepare_rank(start_method: str, module: torch.nn.Module) -> None:
             "scripts) or 'spawn', or launch the forked run before compiling anything in the launching process "
             "(in a notebook: restart the kernel)."
         )
-    if start_method in ("forkserver", "spawn"):
+    if start_method in ("forkserver", "spawn") and module is not None:
         unshare(module)

@@ -117,7 +117,7 @@ class LocalShapes:
 
     def length_symbols(self) -> dict[str, tuple[int, Optional[int], int]]:
         """The symbols that follow the global sequence length ``S`` (see
-        :attr:`~lightning_autosp.memory.accounting.SavedActivations.length_symbols`)."""
+        :attr:`~lightning_autosp.passes.accounting.SavedActivations.length_symbols`)."""
         out: dict[str, tuple[int, Optional[int], int]] = {str(self.chunk): (self.sp_size, self.remainder, self.offset)}
         out.update({str(sym): (1, None, 0) for sym, getter in self.others.items() if getter == self.seq_getter})
         return out

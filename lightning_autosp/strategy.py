@@ -1,13 +1,17 @@
-"""``AutoSPStrategy``: DeepSpeed-Ulysses sequence parallelism for unmodified Lightning modules."""
+"""``AutoSPStrategy``: DeepSpeed-Ulysses sequence parallelism for unmodified Lightning modules.
+
+A thin adapter from the Trainer's hooks to the framework-agnostic core: the ``dp x sp`` mesh
+(:mod:`lightning_autosp.mesh`), the compiled steps and their checks
+(:mod:`lightning_autosp.steps`), the sharded mode (:mod:`lightning_autosp.sharded_mode`) and
+checkpoints (:mod:`lightning_autosp.checkpoint`). ``lightning_autosp.fabric.AutoSPStrategy`` is
+the same for Lightning Fabric.
+"""
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections import Counter
 from contextlib import contextmanager
 from datetime import timedelta
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union
 
 import torch
@@ -18,28 +22,22 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
-from torch.utils._pytree import keystr, tree_flatten_with_path
 from typing_extensions import override
 
-from lightning_autosp._compat import graph_break_counter, load_checkpoint_kwargs
-from lightning_autosp.backend import AOT_BACKENDS, SUPPORTED_BACKENDS, AutoSPBackend, CompiledStep
-from lightning_autosp.batch_agreement import check_sp_batch_agreement
-from lightning_autosp.checkpoint import (
-    check_fits,
-    is_distributed_checkpoint,
-    load_distributed,
-    named_optimizer_state,
-    optimizer_param_names,
-    save_distributed,
-)
-from lightning_autosp.errors import AutoSPError
-from lightning_autosp.fsdp import DDP_ONLY_ARGUMENTS, FSDPConfig, ShardingPolicy, broadcast_module, is_sharded, shard_module, unshard_module, whole
-from lightning_autosp.layout import SPLayout, check_sequence_fits, validate_layout, validate_sp_size
+from lightning_autosp import module_hooks
+from lightning_autosp._compat import load_checkpoint_kwargs
+from lightning_autosp.backend import CompiledStep
+from lightning_autosp.checkpoint import is_distributed_checkpoint, load_distributed, optimizer_param_names
+from lightning_autosp.arguments import check_arguments
+from lightning_autosp.fsdp import DDP_ONLY_ARGUMENTS
+from lightning_autosp.layout import SPLayout, validate_layout
 from lightning_autosp.launch import prepare_rank
+from lightning_autosp.mesh import sp_mesh
 from lightning_autosp.passes.sac import SACConfig
 from lightning_autosp.sampler import make_resumable
-from lightning_autosp.sharded_init import has_meta_tensors, load_pretrained, load_whole, materialize_meta, materialize_sharded, move_real_tensors
+from lightning_autosp.sharded_init import has_meta_tensors
+from lightning_autosp.sharded_mode import ShardedMode
+from lightning_autosp.steps import StepRunner
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -161,27 +159,12 @@ class AutoSPStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        validate_sp_size(sp_size)
-        if compile_backend not in SUPPORTED_BACKENDS:
-            raise ValueError(
-                f"AutoSPStrategy(compile_backend={compile_backend!r}): choose one of {list(SUPPORTED_BACKENDS)}."
-            )
-        if sac and compile_backend not in AOT_BACKENDS:
-            raise ValueError(
-                f"AutoSPStrategy(compile_backend={compile_backend!r}, sac=True): sequence-aware activation "
-                f"checkpointing partitions the AOT joint graph, which only {list(AOT_BACKENDS)} build "
-                f"({compile_backend!r} keeps autograd eager). Pass sac=False to compile with {compile_backend!r}, "
-                "or compile_backend='aot_eager' or 'inductor' to keep SAC."
-            )
-        self._fsdp = FSDPConfig.from_arguments(fsdp, param_dtype, reduce_dtype)
-        if pretrained is not None and (self._fsdp is None or not isinstance(pretrained, dict)):
-            raise ValueError(
-                f"AutoSPStrategy(pretrained={pretrained!r}): pass a dict from a LightningModule attribute built in "
-                "configure_model to its weights ({'model': '/path/to/hf_model_dir'}; '' for the LightningModule itself), "
-                "with fsdp=True or 'hybrid': each rank then reads only its shards."
-            )
-        self._pretrained = dict(pretrained or {})
-        if self._fsdp is not None:
+        self._step_config, config = check_arguments(
+            sp_size, compile_backend, sac, sac_recompute, sac_memory_budget, seq_dim, fsdp, param_dtype, reduce_dtype,
+            pretrained, chunked_loss,
+        )
+        self._sharded = ShardedMode(config, pretrained, rank_zero_info) if config is not None else None
+        if config is not None:
             given = dict(ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook, ddp_comm_wrapper=ddp_comm_wrapper, model_averaging_period=model_averaging_period)
             ddp_only = [name for name in DDP_ONLY_ARGUMENTS if given[name] is not None] + sorted(kwargs)
             if ddp_only:
@@ -190,10 +173,6 @@ class AutoSPStrategy(DDPStrategy):
                     f"{ddp_only} would do nothing: the sharded mode reduce-scatters gradients inside the compiled step. "
                     "Remove them, or pass fsdp=False to train DDP replicas."
                 )
-        if not isinstance(seq_dim, int) or seq_dim < 1:
-            raise ValueError(
-                f"AutoSPStrategy(seq_dim={seq_dim!r}): the sequence dim must be an int >= 1 (dim 0 is the batch)."
-            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -210,33 +189,19 @@ class AutoSPStrategy(DDPStrategy):
             **kwargs,
         )
         self._sp_size_arg = sp_size
-        self.compile_backend = compile_backend
-        self.sac = sac
+        self.compile_backend, self.sac, self.seq_dim = compile_backend, sac, seq_dim
         self.sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)
-        self.seq_dim = seq_dim
-        self.fsdp = fsdp
-        if not isinstance(chunked_loss, bool) and not (isinstance(chunked_loss, int) and chunked_loss > 0):
-            raise ValueError(
-                f"AutoSPStrategy(chunked_loss={chunked_loss!r}): pass True (chunks sized from the vocabulary), "
-                "a positive number of tokens per chunk, or False (keep the full logits)."
-            )
-        self.chunked_loss = chunked_loss
+        self.fsdp, self.chunked_loss = fsdp, chunked_loss
         self._device_mesh: Optional["DeviceMesh"] = None
-        self._backends: dict[str, AutoSPBackend] = {}
-        self._checked: set[str] = set()
+        self._runner: Optional[StepRunner] = None
         self._eager_calls: list[tuple[Any, str, Any]] = []
-        self._marked: list[str] = []  # the batch dims the last step marked as sequence dims
-        self._diverged: set[str] = set()  # steps whose SP ranks compiled different graphs (warned)
-        self._shard_mesh: Optional["DeviceMesh"] = None  # the mesh parameters are sharded over (fsdp)
         self._restored_by_strategy = False  # the last load_checkpoint loaded model and optimizers itself
 
     @property
     def loss_chunk(self) -> Optional[int]:
         """Tokens per chunk of the fused vocabulary loss as the SP pass takes them (``0``: sized
         from the vocabulary, ``None``: off), from ``chunked_loss``."""
-        if isinstance(self.chunked_loss, bool):
-            return 0 if self.chunked_loss else None
-        return self.chunked_loss
+        return self._step_config.loss_chunk
 
     # ------------------------------------------------------------------ layout
     @property
@@ -273,71 +238,35 @@ class AutoSPStrategy(DDPStrategy):
     def dp_group(self) -> dist.ProcessGroup:
         return self.device_mesh.get_group("dp")
 
-    # ------------------------------------------------------------------ what was compiled
     @property
     def compiled_steps(self) -> Mapping[str, CompiledStep]:
         """What AutoSP compiled, per step method (``"training_step"``, ``"validation_step"``,
-        ``"test_step"``, ``"predict_step"``), from ``setup`` until ``teardown``.
-
-        A read-only mapping of :class:`~lightning_autosp.backend.CompiledStep` snapshots taken
-        when the property is read: per graph, what the SP pass did (``pass_stats``; summed in
+        ``"test_step"``, ``"predict_step"``), from ``setup`` until ``teardown``: a read-only
+        mapping of :class:`~lightning_autosp.backend.CompiledStep` snapshots taken when the
+        property is read - per graph, what the SP pass did (``pass_stats``; summed in
         ``sdpa_rewritten``, ``all_to_alls``, ``fallbacks``) and, with an AOT ``compile_backend``,
         what each training graph saves for backward (``saved_activations``;
-        ``saved_bytes_by_kind(since=earlier_snapshot)`` sums the calls in between). A step
-        appears at ``setup``; its graphs once the step has run.
-        """
-        return MappingProxyType({name: backend.compiled_step() for name, backend in self._backends.items()})
-
-    def _validate_layout(self) -> SPLayout:
-        return validate_layout(self.sp_size, self.num_nodes * self.num_processes, self.num_processes)
+        ``saved_bytes_by_kind(since=earlier_snapshot)`` sums the calls in between)."""
+        return StepRunner.empty_view() if self._runner is None else self._runner.compiled_steps
 
     @override
     def _configure_launcher(self) -> None:
-        self._validate_layout()  # fail in the launching process, before any worker starts
+        validate_layout(self.sp_size, self.num_nodes * self.num_processes, self.num_processes)  # before any worker starts
         super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
-        layout = self._validate_layout()
+        layout = validate_layout(self.sp_size, self.num_nodes * self.num_processes, self.num_processes)
         assert self.lightning_module is not None
         prepare_rank(self._start_method, self.lightning_module)
         super().setup_environment()
-        from torch.distributed.device_mesh import DeviceMesh
-
-        # The subgroups get the user's `timeout` (a DeviceMesh would create them with the
-        # backend's default: 30 min on gloo, 10 min on NCCL). Every rank creates every group.
-        sp_group, _ = dist.new_subgroups_by_enumeration(layout.all_sp_groups(), timeout=self._timeout)
-        dp_group, _ = dist.new_subgroups_by_enumeration(layout.all_dp_groups(), timeout=self._timeout)
-        self._device_mesh = DeviceMesh.from_group(
-            [dp_group, sp_group],
-            self.root_device.type,
-            mesh=torch.arange(layout.world_size).view(layout.dp_size, layout.sp_size),  # [dp, sp]
-            mesh_dim_names=("dp", "sp"),
-        )
-        if self._fsdp is not None:
-            self._shard_mesh = self._build_shard_mesh(layout.world_size)
+        self._device_mesh = sp_mesh(layout, self.root_device.type, self._timeout)
+        if self._sharded is not None:
+            self._sharded.setup_mesh(layout.world_size, self.num_processes, self.root_device.type, self._timeout)
         self.lightning_module._device_mesh = self._device_mesh
         rank_zero_info(
             f"AutoSP: {layout.world_size} processes as dp={layout.dp_size} x sp={layout.sp_size}; "
             f"SP groups {layout.all_sp_groups()}"
-        )
-
-    def _build_shard_mesh(self, world_size: int) -> "DeviceMesh":
-        """The mesh the sharded mode holds parameters on: the world (``"full"``) or
-        ``(replicate, shard)`` = ``(nodes, ranks per node)`` (``"hybrid"``)."""
-        from torch.distributed.device_mesh import DeviceMesh
-
-        assert self._fsdp is not None
-        replicate, shard = self._fsdp.shard_groups(world_size, self.num_processes)
-        if self._fsdp.mode == "full":
-            return DeviceMesh.from_group(dist.group.WORLD, self.root_device.type, mesh_dim_names=("shard",))
-        shard_group, _ = dist.new_subgroups_by_enumeration(shard, timeout=self._timeout)
-        replicate_group, _ = dist.new_subgroups_by_enumeration(replicate, timeout=self._timeout)
-        return DeviceMesh.from_group(
-            [replicate_group, shard_group],
-            self.root_device.type,
-            mesh=torch.tensor(shard),  # [nodes, ranks per node]
-            mesh_dim_names=("replicate", "shard"),
         )
 
     @property
@@ -364,102 +293,62 @@ class AutoSPStrategy(DDPStrategy):
         """With ``fsdp``, modules built in ``configure_model`` or under ``Trainer.init_module()``
         go to the ``meta`` device (no memory) unless ``empty_init=False``; ``setup`` gives them
         storage on the root device, runs the model's own initialisers and shards them."""
-        if self._fsdp is None or empty_init is False:
+        if self._sharded is None or empty_init is False:
             with super().tensor_init_context(empty_init):
                 yield
             return
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+        with self._sharded.init_context(), self.precision_plugin.tensor_init_context():
             yield
-
-    def _sharding_policy(self) -> ShardingPolicy:
-        assert self._fsdp is not None and self._shard_mesh is not None
-        return self._fsdp.policy(self._shard_mesh, self.precision_plugin.precision)
 
     @override
     def model_to_device(self) -> None:
-        """Sharded: a model built on the meta device gets its values shard by shard
-        (:mod:`lightning_autosp.sharded_init`) - read from ``pretrained`` weights, or from its own
-        initialisers one unit at a time - so no rank holds more of it than its shards and one
-        unit."""
+        """Sharded: a model built on the meta device gets its values shard by shard - read from
+        ``pretrained`` weights, or from its own initialisers one unit at a time - so no rank holds
+        more of it than its shards and one unit (whole for validate/test/predict)."""
         assert self.model is not None
         module = self.lightning_module
-        parts = {attr: self._pretrained_part(attr) for attr in self._pretrained}  # (each must be on meta)
-        if self._fsdp is None or module is None or not has_meta_tensors(self.model):
+        if self._sharded is not None and module is not None:
+            self._sharded.pretrained_parts(module)  # each must be on meta: refused before anything moves
+        if self._sharded is None or module is None or not has_meta_tensors(self.model):
             return super().model_to_device()
-        if module.trainer.state.fn != TrainerFn.FITTING:  # validate/test/predict: replicas, not sharded
-            n = materialize_meta(self.model, self.root_device)
-            rank_zero_info(f"AutoSP: initialised {n} tensors of the model built on the meta device on {self.root_device}")
-            for attr, part in parts.items():
-                load_whole(part, self._pretrained[attr], strict=module.strict_loading)
-            return super().model_to_device()
-        move_real_tensors(self.model, self.root_device)
-        policy = self._sharding_policy()
-        for attr, part in parts.items():
-            n = load_pretrained(part, self._pretrained[attr], policy, self.root_device, strict=module.strict_loading)
-            rank_zero_info(f"AutoSP: read {n} tensors of `{attr}` from {self._pretrained[attr]}, each rank its shards")
-        report = materialize_sharded(self.model, self.root_device, policy)
-        if report.units:
-            rank_zero_info(
-                f"AutoSP: initialised the model built on the meta device on {self.root_device} in {report.units} unit(s) "
-                f"of at most {report.largest_unit_bytes / 2**20:.1f} MiB (model {report.model_bytes / 2**20:.1f} MiB), "
-                "each sharded before the next"
-            )
-
-    def _pretrained_part(self, attr: str) -> torch.nn.Module:
-        module = self.lightning_module
-        part = module if attr == "" else getattr(module, attr, None)
-        if not isinstance(part, torch.nn.Module) or not has_meta_tensors(part):
-            raise AutoSPError(
-                f"AutoSPStrategy(pretrained={{{attr!r}: ...}}): the LightningModule's `{attr}` must be a module built on "
-                "the meta device: build it in configure_model (AutoSP builds it there without memory, then reads "
-                "each rank's shard of the weights)."
-            )
-        return part
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        self._sharded.materialize(self.model, module, self.root_device, self.precision_plugin.precision, fitting, module.strict_loading)
+        if not fitting:
+            super().model_to_device()
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self._fsdp is None:
+        if self._sharded is None:
             return super()._setup_model(model)
-        broadcast_module(model)  # rank 0's initial values everywhere, as DDP does (shards stay)
-        policy = self._sharding_policy()
-        n = shard_module(model, policy)
-        dtypes = f", gathered in {policy.param_dtype}, reduced in {policy.reduce_dtype}" if policy.param_dtype else ""
-        rank_zero_info(f"AutoSP: {sum(1 for _ in model.parameters())} parameters sharded as DTensors over {self._shard_mesh} (fsdp={self.fsdp!r}{dtypes}; {n} in setup)")
-        return model
+        return self._sharded.shard(model, self.precision_plugin.precision)
 
     @override
     def on_train_end(self) -> None:
         """The module leaves ``fit`` as the user gave it: full parameters, its own classes."""
         super().on_train_end()
-        module = self.lightning_module
-        if self._fsdp is not None and module is not None and is_sharded(module):
-            unshard_module(module)
+        if self._sharded_now():
+            ShardedMode.unshard(self.lightning_module)
 
     @override
     def _register_ddp_hooks(self) -> None:
-        if self._fsdp is None:
+        if self._sharded is None:
             super()._register_ddp_hooks()
+
+    def _sharded_now(self) -> bool:
+        return self._sharded is not None and ShardedMode.is_sharded(self.lightning_module)
 
     # ------------------------------------------------------------------ checkpoints
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         # a distributed checkpoint is read into the module and the optimizers once they exist
-        # (sharded: as DTensors; replicated: DCP reads whole tensors)
         return True
-
-    def _sharded_now(self) -> bool:
-        return self._fsdp is not None and self.lightning_module is not None and is_sharded(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Sharded: the optimizer's state keyed by parameter name, its tensors DTensors
-        (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``)."""
+        """Sharded: the optimizer's state keyed by parameter name, its tensors DTensors."""
         if self._sharded_now():
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-            optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
-            return get_optimizer_state_dict(self.lightning_module, optimizer)
+            return ShardedMode.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
         return super().optimizer_state(optimizer)
 
     @override
@@ -471,7 +360,7 @@ class AutoSPStrategy(DDPStrategy):
         if self._sharded_now():
             if storage_options is not None:
                 raise TypeError("AutoSPStrategy(fsdp=...) writes distributed checkpoints itself: storage_options is not supported.")
-            save_distributed(checkpoint, filepath, rank=self.global_rank, barrier=self.barrier)
+            ShardedMode.save(checkpoint, filepath, self.global_rank, self.barrier)
             return
         if self.is_global_zero and self.lightning_module is not None and "optimizer_states" in checkpoint:
             checkpoint["autosp"] = {"optimizer_param_names": optimizer_param_names(self.lightning_module, self.optimizers)}
@@ -499,11 +388,7 @@ class AutoSPStrategy(DDPStrategy):
         if self._restored_by_strategy:
             return
         if self._sharded_now():
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            check_fits(checkpoint["state_dict"], self.lightning_module.state_dict(), strict, self._ckpt_path())
-            set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=StateDictOptions(full_state_dict=True, strict=strict))
-            return
+            return ShardedMode.load_model_state(self.lightning_module, checkpoint["state_dict"], strict, self._ckpt_path())
         super().load_model_state_dict(checkpoint, strict)
 
     @override
@@ -512,20 +397,9 @@ class AutoSPStrategy(DDPStrategy):
             return
         if not self._sharded_now():
             return super().load_optimizer_state_dict(checkpoint)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        where = self._ckpt_path()
         names = (checkpoint.get("autosp") or {}).get("optimizer_param_names")
-        if names is None:
-            raise AutoSPError(
-                f"{where} holds optimizer state by position only (it was not written by AutoSPStrategy), and a sharded "
-                "run needs it by parameter name. Resume it with fsdp=False, or load its weights into the module "
-                "before fit and start the optimizer afresh."
-            )
-        for i, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
-            named = named_optimizer_state(state, names[i], where)
-            optimizer = getattr(optimizer, "_optimizer", optimizer)
-            set_optimizer_state_dict(self.lightning_module, optimizer, named, options=StateDictOptions(full_state_dict=True))
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        ShardedMode.load_optimizer_states(self.lightning_module, optimizers, checkpoint["optimizer_states"], names, self._ckpt_path())
 
     def _ckpt_path(self) -> str:
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -537,145 +411,38 @@ class AutoSPStrategy(DDPStrategy):
         super().setup(trainer)
         module = self.lightning_module
         assert module is not None
-        group_name = self.sp_group.group_name
+        if self._runner is None:
+            self._runner = StepRunner(self._step_config, self.sp_size, self.sp_rank, self.sp_group, self.root_device)
         for name in _COMPILED_STEPS:
-            if name in module.__dict__:  # compiled already by an earlier stage
-                continue
-            backend = AutoSPBackend(
-                sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=group_name, seq_dim=self.seq_dim, backend=self.compile_backend,
-                sac=self.sac_config if self.sac else None, loss_chunk=self.loss_chunk,
-            )
-            self._backends[name] = backend
-            setattr(module, name, _compiled_step(getattr(module, name), backend))
-        log.debug("AutoSP: compiled %s with backend %s", _COMPILED_STEPS, self.compile_backend)
+            if name not in module.__dict__:  # (compiled already by an earlier stage)
+                setattr(module, name, self._runner.compile(name, getattr(module, name)))
         if not self._eager_calls:  # (as the steps: once until teardown)
-            self._eager_calls = _keep_out_of_graphs(module)
-            if self._fsdp is not None:
+            self._eager_calls = module_hooks.keep_out_of_graphs(module)
+            if self._sharded is not None:
                 hook = "on_before_optimizer_step"
-                self._eager_calls.append((module, hook, module.__dict__.get(hook, _ABSENT)))
-                setattr(module, hook, _explaining_dtensor_errors(getattr(module, hook), hook))
+                self._eager_calls.append((module, hook, module.__dict__.get(hook, module_hooks.ABSENT)))
+                setattr(module, hook, module_hooks.explaining_dtensor_errors(getattr(module, hook), hook))
 
     @override
     def teardown(self) -> None:
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None)
-        if self._fsdp is not None and module is not None and is_sharded(module) and trainer is not None and trainer.state.status == TrainerStatus.RUNNING:
+        if self._sharded_now() and trainer is not None and trainer.state.status == TrainerStatus.RUNNING:
             # a fit that ran no epoch (resumed at max_steps) ends without on_train_end; not after
             # an exception, where a peer may never reach this collective
-            unshard_module(module)
+            ShardedMode.unshard(module)
         if module is not None:
             for name in _COMPILED_STEPS:
                 module.__dict__.pop(name, None)
-        for owner, name, before in reversed(self._eager_calls):
-            if before is _ABSENT:
-                owner.__dict__.pop(name, None)
-            else:
-                setattr(owner, name, before)
+        module_hooks.restore(self._eager_calls)
         self._eager_calls = []
-        self._backends.clear()
-        self._checked.clear()
-        self._diverged.clear()
+        self._runner = None
         super().teardown()
 
-    def _prepare_batch(self, batch: Any, step: str) -> None:
-        """Check that the SP group agrees on the batch and that the sequence fits, and mark the
-        sequence dims dynamic, so one compile serves every length.
-
-        The sequence length is the size at ``seq_dim`` that most of the batch's tensors share
-        (token ids and labels ``[B, S]``; ties go to integer tensors). Every dim (after the batch
-        dim) of a batch tensor with that size is marked: ids and labels ``[B, S]``, masks
-        ``[B, 1, S, S]``; other tensors (``[B, F]`` features) stay static.
-        """
-        paths = [(keystr(path), t) for path, t in tree_flatten_with_path(batch)[0] if isinstance(t, torch.Tensor)]
-        tensors = [t for _, t in paths]
-        backend = self._backends.get(step)
-        sp_graphs = backend.sp_graphs if backend is not None else 0
-        counts = check_sp_batch_agreement(tensors, self.sp_group, self.sp_size, self.root_device, step, sp_graphs)
-        self._check_same_graphs(step, counts)
-        seq_len = _sequence_length([(p, t) for p, t in paths if t.dim() > self.seq_dim], self.seq_dim)
-        if seq_len is None:
-            return
-        # The shift is known once the step has compiled; the pass checks the first batch itself.
-        if backend is not None:
-            check_sequence_fits(seq_len + backend.seq_offset, self.sp_size, backend.max_shift)
-        else:
-            check_sequence_fits(seq_len, self.sp_size)
-        self._marked = []
-        for path, t in paths:
-            for d in range(1, t.dim()):
-                if t.shape[d] == seq_len:
-                    torch._dynamo.mark_dynamic(t, d)
-                    self._marked.append(f"batch{path} dim {d}")
-
-    def _check_same_graphs(self, step: str, counts: list[int]) -> None:
-        """Every SP rank must compile the same graphs: a rank that recompiles alone is harmless
-        until it reaches Dynamo's recompile limit, where it would run the step eagerly while its
-        peers wait for it in an all-to-all. Warn when the counts part, stop before the limit."""
-        if len(set(counts)) == 1:
-            return
-        what = (
-            f"AutoSP: the ranks of an SP group compiled different numbers of graphs for `{step}` "
-            f"(per SP rank: {counts}): a rank-dependent guard made some recompile where others did not. "
-            "TORCH_LOGS=recompiles shows the guard; please report it with that output."
-        )
-        limit = torch._dynamo.config.recompile_limit
-        if max(counts) >= limit - 1:
-            raise AutoSPError(
-                f"{what} One more recompile would reach Dynamo's recompile limit ({limit}), where a rank runs "
-                "the step eagerly while its peers wait in an all-to-all, so AutoSP stops here. Raise "
-                "torch._dynamo.config.recompile_limit, or keep the sequence lengths of the batches fixed."
-            )
-        if step not in self._diverged:
-            self._diverged.add(step)
-            log.warning(what)
-
-    def _check_rewritten(self, step: str) -> None:
-        if step in self._checked or step not in self._backends:
-            return
-        backend = self._backends[step]
-        if backend.sdpa_rewritten == 0:
-            raise AutoSPError(
-                f"AutoSP found no attention to parallelize in `{type(self.lightning_module).__name__}.{step}`: "
-                "sequence parallelism splits attention heads across the SP group, so the model must call "
-                "`torch.nn.functional.scaled_dot_product_attention` (for Hugging Face models: "
-                "attn_implementation='sdpa') or write attention over heads, `softmax(q @ k.transpose(-2, -1) * scale "
-                "+ mask) @ v` with q, k, v laid out [B, H, S, D] (single-head [B, S, D] attention has no heads to "
-                "split; see the supported-models page for the steps allowed between the two matmuls)."
-            )
-        for g in backend.pass_stats:
-            if g.fallbacks:
-                log.warning("AutoSP ran %d op(s) of %s replicated: %s", len(g.fallbacks), step, "; ".join(g.fallbacks))
-        self._checked.add(step)
-
     def _run_step(self, step: str, parent: Callable, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            self._prepare_batch(args[0], step)
-        breaks_before = Counter(graph_break_counter())
-        try:
-            out = parent(*args, **kwargs)
-        except Exception as exc:
-            violation = _find_cause(exc, ConstraintViolationError)
-            if violation is not None:
-                where = _specialized_at(str(violation))
-                raise AutoSPError(
-                    "AutoSP marks every dim of the batch whose size equals the sequence length as a sequence dim "
-                    f"({', '.join(self._marked)}), but the step uses one of them as a fixed size.\n"
-                    f"{str(violation).splitlines()[0]}\n"
-                    + (f"Dynamo fixed it here:\n{where}\n" if where else "")
-                    + "Either the code there turns the sequence length into a Python number (a loop "
-                    "`for i in range(T)` or a Python `if` over the length, e.g. a mask built row by row: "
-                    "build it with tensor ops such as `torch.arange(T)[:, None] - torch.arange(T)` instead), "
-                    "or that tensor has a feature dim that happens to equal the sequence length: give it a size "
-                    "other than the sequence length (or a sequence length other than its size), or move it out "
-                    "of the batch (a buffer of the module, for example)."
-                ) from exc
-            cause = _find_cause(exc, AutoSPError)
-            if cause is None:
-                raise
-            breaks = Counter(graph_break_counter()) - breaks_before
-            raise AutoSPError(f"{cause}{_describe_breaks(breaks)}") from exc
-        self._check_rewritten(step)
-        return out
+        assert self._runner is not None
+        where = f"{type(self.lightning_module).__name__}.{step}"
+        return self._runner.run(step, where, parent, args[0] if args else None, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -692,152 +459,3 @@ class AutoSPStrategy(DDPStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("predict_step", super().predict_step, *args, **kwargs)
-
-
-def _sequence_length(tensors: Sequence[tuple[str, torch.Tensor]], seq_dim: int) -> Optional[int]:
-    """The size at ``seq_dim`` most of ``tensors`` share (ties: the size of integer tensors,
-    token ids); ``None`` without tensors. An AutoSPError if that does not decide it."""
-    if not tensors:
-        return None
-    votes = Counter(t.shape[seq_dim] for _, t in tensors)
-    top = max(votes.values())
-    sizes = [size for size, n in votes.items() if n == top]
-    if len(sizes) > 1:
-        integer = {t.shape[seq_dim] for _, t in tensors if not t.is_floating_point() and t.dtype != torch.bool}
-        sizes = [size for size in sizes if size in integer] or sizes
-    if len(sizes) > 1:
-        found = ", ".join(f"batch{p}: {tuple(t.shape)}" for p, t in tensors)
-        raise AutoSPError(
-            f"AutoSP cannot tell the sequence length from the batch: its tensors disagree at seq_dim={seq_dim} "
-            f"({found}). AutoSP takes the size most of them share, preferring integer (token id) tensors. Give "
-            "the sequence tensors (token ids, labels, positions) the same length, keep other tensors' seq_dim "
-            "size different from it, or set AutoSPStrategy(seq_dim=...)."
-        )
-    return sizes[0]
-
-
-def _find_cause(exc: Optional[BaseException], kind: type) -> Optional[BaseException]:
-    """The exception of type ``kind`` behind ``exc`` (Dynamo wraps backend errors), if any."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, kind):
-            return exc
-        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
-    return None
-
-
-def _specialized_at(violation: str) -> str:
-    """The innermost frame of the "User stack" in Dynamo's ConstraintViolationError: the code
-    that made a marked size a constant."""
-    lines = violation.split("User stack:", 1)[1].splitlines() if "User stack:" in violation else []
-    frames = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
-    if not frames:
-        return ""
-    return "\n".join(line for line in lines[frames[-1] : frames[-1] + 2] if line.strip())
-
-
-def _describe_breaks(breaks: Counter) -> str:
-    if not breaks:
-        return ""
-    lines = "\n".join(f"  - {_break_summary(reason)}" for reason in breaks)
-    data_dependent = any("depends on input Tensor data" in reason or reason.startswith("Dynamic shape operator") for reason in breaks)
-    return (
-        f"\nDynamo split this step into several graphs at these graph breaks:\n{lines}\n"
-        "A graph break inside the model hides the sequence dim from the graphs after it. Remove "
-        "print/logging calls from forward, replace data-dependent Python branches with torch.where, "
-        "and keep such code in training_step after the loss (TORCH_LOGS=graph_breaks shows where they are)."
-        + (
-            "\nAn op whose output shape depends on the data (`torch.where(mask)` with one argument, `nonzero`, "
-            "indexing with a boolean mask - e.g. a mixture-of-experts router that gathers each expert's tokens, "
-            "as LitGPT's LLaMAMoE does) cannot be traced into the graph AutoSP splits: such a model is not supported. "
-            "Route with fixed shapes instead (every expert on every token, weighted by its gate; or a "
-            "scatter/gather by expert index with a fixed capacity)."
-            if data_dependent else ""
-        )
-    )
-
-
-def _break_summary(reason: str) -> str:
-    """The first line of a Dynamo graph-break reason and its explanation (which names the op)."""
-    lines = [line.strip() for line in reason.splitlines() if line.strip()]
-    why = next((line.removeprefix("Explanation:").strip() for line in lines[1:] if line.startswith("Explanation:")), "")
-    return (f"{lines[0]}: {why}" if why else lines[0] if lines else reason)[:300]
-
-
-_ABSENT = object()
-_EAGER_METRIC_CALLS = ("forward", "update", "compute", "reset")
-_EAGER_MODULE_CALLS = ("log", "log_dict")
-
-
-def _keep_out_of_graphs(module: "pl.LightningModule") -> list[tuple[Any, str, Any]]:
-    """Run the module's ``self.log``/``self.log_dict`` and its torchmetrics objects eagerly
-    when a compiled step calls them: Dynamo would trace their bookkeeping and, as a metric's
-    counters change, recompile those frames at every step up to its recompile limit. Each call
-    becomes a graph break instead. Set on these objects only (instance attributes, undone in
-    ``teardown``); return what was replaced."""
-    from torchmetrics import Metric
-
-    replaced = []
-    targets = [(module, _EAGER_MODULE_CALLS)] + [(m, _EAGER_METRIC_CALLS) for m in module.modules() if isinstance(m, Metric)]
-    for owner, names in targets:
-        for name in names:
-            before = owner.__dict__.get(name, _ABSENT)
-            replaced.append((owner, name, before))
-            call = getattr(owner, name)
-            if owner is module:  # a logged DTensor (a norm of sharded parameters) is logged whole
-                call = _logging_whole(call, name)
-            setattr(owner, name, torch.compiler.disable(call, recursive=True))
-    return replaced
-
-
-def _logging_whole(log_fn: Callable, name: str) -> Callable:
-    """``self.log(name, value, ...)`` / ``self.log_dict(dictionary, ...)`` with DTensor values whole
-    (:func:`lightning_autosp.fsdp.whole`): Lightning would read one rank's part of them."""
-    values = "dictionary" if name == "log_dict" else "value"
-    position = 0 if name == "log_dict" else 1
-
-    @functools.wraps(log_fn)
-    def logging_whole(*args: Any, **kwargs: Any) -> Any:
-        if values in kwargs:
-            kwargs[values] = whole(kwargs[values])
-        elif len(args) > position:
-            args = (*args[:position], whole(args[position]), *args[position + 1 :])
-        return log_fn(*args, **kwargs)
-
-    return logging_whole
-
-
-def _explaining_dtensor_errors(hook: Callable, hook_name: str) -> Callable:
-    """The module's ``hook`` (``on_before_optimizer_step``), with the error Lightning's
-    ``grad_norm`` raises on DTensor gradients turned into one that names the fix."""
-
-    @functools.wraps(hook)
-    def explained(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return hook(*args, **kwargs)
-        except RuntimeError as exc:
-            if "data is not allocated" not in str(exc):
-                raise
-            raise AutoSPError(
-                f"`{hook_name}` read a DTensor's storage directly: with AutoSPStrategy(fsdp=...) parameters and their "
-                "gradients are DTensors, and Lightning's `lightning.pytorch.utilities.grad_norm` (like any code that "
-                "builds `torch.tensor` from their norms) cannot read them. Use `lightning_autosp.grad_norm(self, "
-                "norm_type)`: the same keys with the whole model's norms. Norms of single DTensors are partial per "
-                "rank: call `.full_tensor()` before `.item()`."
-            ) from exc
-
-    return explained
-
-
-def _compiled_step(fn: Callable, backend: AutoSPBackend) -> Callable:
-    compiled = torch.compile(fn, backend=backend)
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        # Dynamo's DDP optimizer would split our graph per gradient bucket; the SP pass needs
-        # the whole step in one graph, and DDP still overlaps the gradient all-reduce.
-        with torch._dynamo.config.patch(optimize_ddp=False):
-            return compiled(*args, **kwargs)
-
-    step.__wrapped__ = fn  # type: ignore[attr-defined]
-    return step

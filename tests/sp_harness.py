@@ -461,9 +461,10 @@ def spawn(tmp_path: Path, fn: Callable, world: int, *args: Any) -> list[Any]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def naive_reference_fn(model_factory: Callable, loss_fn: Callable, run: "Run", sp_size: int, lr: float = 0.1):
+def naive_reference_fn(model_factory: Callable, loss_fn: Callable, run: "Run", sp_size: int, lr: float = 0.1, **kwargs: Any):
     """The negative control on one device: each SP rank's slice of the sequence on its own
-    (every dim of size S sliced, masks included), losses averaged - sharding without the pass."""
+    (every dim of size S sliced, masks included), losses averaged - sharding without the pass
+    (``kwargs``: as for :func:`replay`)."""
     from lightning_autosp.layout import seq_split_sizes
 
     def chunks(batch):
@@ -482,7 +483,7 @@ def naive_reference_fn(model_factory: Callable, loss_fn: Callable, run: "Run", s
     def step_loss(model, batch):
         return torch.stack([loss_fn(model, c) for c in chunks(batch)]).mean()
 
-    return replay(model_factory, step_loss, run, sp_size, lr)
+    return replay(model_factory, step_loss, run, sp_size, lr, **kwargs)
 
 
 def check_against_references(run: "Run", sp_size: int, model_factory: Callable, loss_fn: Callable, tol: float = 1e-4):

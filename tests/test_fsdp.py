@@ -265,10 +265,10 @@ def test_fsdp_argument_is_checked():
         AutoSPStrategy(fsdp=True, reduce_dtype="int8")
     AutoSPStrategy(fsdp=False, find_unused_parameters=True)  # negative control: DDP's own arguments stay DDP's
     strategy = AutoSPStrategy(fsdp="hybrid", param_dtype="bfloat16")
-    policy = strategy._fsdp.policy(mesh=None, precision="32-true")
+    policy = strategy._sharded.config.policy(mesh=None, precision="32-true")
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
-    assert AutoSPStrategy(fsdp=True)._fsdp.policy(None, "bf16-mixed").param_dtype == torch.bfloat16
-    assert AutoSPStrategy(fsdp=True)._fsdp.policy(None, "32-true").param_dtype is None
+    assert AutoSPStrategy(fsdp=True)._sharded.config.policy(None, "bf16-mixed").param_dtype == torch.bfloat16
+    assert AutoSPStrategy(fsdp=True)._sharded.config.policy(None, "32-true").param_dtype is None
 
 
 class _TableWithoutInit(torch.nn.Module):
@@ -423,7 +423,7 @@ def test_lightning_grad_norm_error_names_the_fix():
     error Lightning's ``grad_norm`` raises on DTensors becomes an AutoSPError naming the fix;
     any other error passes unchanged."""
     from lightning_autosp import AutoSPError
-    from lightning_autosp.strategy import _explaining_dtensor_errors
+    from lightning_autosp.module_hooks import explaining_dtensor_errors as _explaining_dtensor_errors
 
     def hook(message):
         raise RuntimeError(message)

@@ -110,7 +110,7 @@ def test_a_call_whose_sizes_break_a_guard_compiles_again():
 def test_saved_sizes_at_another_length_follow_the_compiles_symbols():
     """A record compiled for even lengths (S = 2c) evaluates at 64 tokens with c = 32, refuses an
     odd length (another compile's sizes), and a general record takes any length."""
-    from lightning_autosp.memory.accounting import SavedActivations, SavedTensor
+    from lightning_autosp.passes.accounting import SavedActivations, SavedTensor
 
     c, s = sympy.Symbol("s7", integer=True, positive=True), sympy.Symbol("s8", integer=True, positive=True)
     exact = SavedActivations([SavedTensor("h", "linear", 4 * 16 * c, ("c", "16"), "float32")], symbols=("s7",), binding=(8,),

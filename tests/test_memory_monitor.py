@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from lightning_autosp import ActivationMemoryMonitor, AutoSPStrategy
 from lightning_autosp.backend import CompiledStep
-from lightning_autosp.memory.accounting import OP_KINDS, SavedActivations, SavedTensor, op_kind
+from lightning_autosp.passes.accounting import OP_KINDS, SavedActivations, SavedTensor, op_kind
 from lightning_autosp.memory.eager import EagerSavedTensors
 from lightning_autosp.memory.monitor import format_summary, plot_saved_bytes, summarize
 from lightning_autosp.passes import SPPassStats

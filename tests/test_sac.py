@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_autosp import AutoSPStrategy
 from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.memory.accounting import OP_KINDS, node_kind
+from lightning_autosp.passes.accounting import OP_KINDS, node_kind
 from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes.sac import RECOMPUTABLE_KINDS, SACConfig, SACPartitioner, _op_name, forward_nodes
 

@@ -116,7 +116,7 @@ def test_sequence_length_from_the_batch():
     import torch
 
     from lightning_autosp.errors import AutoSPError
-    from lightning_autosp.strategy import _sequence_length
+    from lightning_autosp.steps import _sequence_length
 
     ids, labels = torch.zeros(2, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long)
     feats = torch.zeros(2, 8)
@@ -136,7 +136,9 @@ def test_sp_ranks_that_compile_different_graphs(caplog):
 
     from lightning_autosp.errors import AutoSPError
 
-    strategy = AutoSPStrategy(sp_size=2)
+    from lightning_autosp.steps import StepConfig, StepRunner
+
+    strategy = StepRunner(StepConfig(), sp_size=2, sp_rank=0, sp_group=None, device=torch.device("cpu"))
     strategy._check_same_graphs("training_step", [2, 2])
     assert not caplog.records
     with caplog.at_level(logging.WARNING):

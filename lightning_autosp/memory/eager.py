@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_autosp.memory.accounting import empty_by_kind, is_alias, op_kind
+from lightning_autosp.passes.accounting import empty_by_kind, is_alias, op_kind
 
 __all__ = ["EagerSavedTensors"]
 

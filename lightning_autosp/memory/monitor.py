@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_autosp.backend import AOT_BACKENDS, CompiledStep
-from lightning_autosp.memory.accounting import OP_KINDS
+from lightning_autosp.passes.accounting import OP_KINDS
 from lightning_autosp.memory.eager import EagerSavedTensors
 from lightning_autosp.strategy import AutoSPStrategy
 

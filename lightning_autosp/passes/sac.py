@@ -48,9 +48,9 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_autosp._compat import prepare_recompute_tags
-from lightning_autosp.memory import accounting as memory
+from lightning_autosp.passes import accounting as memory
 from lightning_autosp.errors import AutoSPError
-from lightning_autosp.memory.accounting import OP_KINDS, SavedActivations, list_saved_activations, node_kind
+from lightning_autosp.passes.accounting import OP_KINDS, SavedActivations, list_saved_activations, node_kind
 
 __all__ = ["SACConfig", "RECOMPUTABLE_KINDS", "sac_tag_pass", "SACPartitioner"]
 

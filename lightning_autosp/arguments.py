@@ -1,0 +1,55 @@
+"""The strategies' shared arguments, checked once (both strategies take the same ones).
+
+:func:`check_arguments` turns ``AutoSPStrategy(...)``'s compile, SAC, sequence and sharding
+arguments into a :class:`~lightning_autosp.steps.StepConfig` and an optional
+:class:`~lightning_autosp.fsdp.FSDPConfig`, or raises a ``ValueError`` naming the argument and
+the fix. Nothing is lost on a bad value: it is raised before anything is built.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from lightning_autosp.backend import AOT_BACKENDS, SUPPORTED_BACKENDS
+from lightning_autosp.fsdp import FSDPConfig
+from lightning_autosp.layout import validate_sp_size
+from lightning_autosp.passes.sac import SACConfig
+from lightning_autosp.steps import StepConfig
+
+__all__ = ["check_arguments"]
+
+
+def check_arguments(
+    sp_size: Optional[int], compile_backend: str, sac: bool, sac_recompute: Sequence[str], sac_memory_budget: float,
+    seq_dim: int, fsdp: Union[bool, str], param_dtype: Optional[Union[str, torch.dtype]],
+    reduce_dtype: Optional[Union[str, torch.dtype]], pretrained: Optional[dict[str, str]], chunked_loss: Union[bool, int],
+) -> tuple[StepConfig, Optional[FSDPConfig]]:
+    validate_sp_size(sp_size)
+    if compile_backend not in SUPPORTED_BACKENDS:
+        raise ValueError(f"AutoSPStrategy(compile_backend={compile_backend!r}): choose one of {list(SUPPORTED_BACKENDS)}.")
+    if sac and compile_backend not in AOT_BACKENDS:
+        raise ValueError(
+            f"AutoSPStrategy(compile_backend={compile_backend!r}, sac=True): sequence-aware activation "
+            f"checkpointing partitions the AOT joint graph, which only {list(AOT_BACKENDS)} build "
+            f"({compile_backend!r} keeps autograd eager). Pass sac=False to compile with {compile_backend!r}, "
+            "or compile_backend='aot_eager' or 'inductor' to keep SAC."
+        )
+    fsdp_config = FSDPConfig.from_arguments(fsdp, param_dtype, reduce_dtype)
+    if pretrained is not None and (fsdp_config is None or not isinstance(pretrained, dict)):
+        raise ValueError(
+            f"AutoSPStrategy(pretrained={pretrained!r}): pass a dict from a LightningModule attribute built in "
+            "configure_model to its weights ({'model': '/path/to/hf_model_dir'}; '' for the LightningModule itself), "
+            "with fsdp=True or 'hybrid': each rank then reads only its shards."
+        )
+    if not isinstance(seq_dim, int) or seq_dim < 1:
+        raise ValueError(f"AutoSPStrategy(seq_dim={seq_dim!r}): the sequence dim must be an int >= 1 (dim 0 is the batch).")
+    if not isinstance(chunked_loss, bool) and not (isinstance(chunked_loss, int) and chunked_loss > 0):
+        raise ValueError(
+            f"AutoSPStrategy(chunked_loss={chunked_loss!r}): pass True (chunks sized from the vocabulary), "
+            "a positive number of tokens per chunk, or False (keep the full logits)."
+        )
+    loss_chunk: Optional[int] = (0 if chunked_loss else None) if isinstance(chunked_loss, bool) else chunked_loss
+    sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)  # checked even when off
+    return StepConfig(compile_backend, sac_config if sac else None, seq_dim, loss_chunk), fsdp_config
