@@ -28,10 +28,11 @@ optimizer state (:func:`named_optimizer_state`).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -44,6 +45,8 @@ __all__ = [
     "save_distributed",
     "load_distributed",
     "check_fits",
+    "saved_names",
+    "current_names",
     "read_model_state_dict",
     "optimizer_param_names",
     "named_optimizer_state",
@@ -202,7 +205,9 @@ def load_distributed(
     where = str(reader.path)
     saved = reader.model_shapes()
     current = get_model_state_dict(module)
-    check_fits(saved, current, strict, where)
+    name = saved_names(saved, current)  # written by the other front door (Trainer <-> Fabric)?
+    back = {name(k): k for k in current}
+    check_fits(saved, {name(k): v for k, v in current.items()}, strict, where)
     if len(optimizers) > reader.optimizers:
         raise AutoSPError(
             f"{where} holds the state of {reader.optimizers} optimizer(s) (none: saved with save_weights_only), this "
@@ -210,15 +215,49 @@ def load_distributed(
         )
     meta = reader.meta(weights_only)
     # one read of everything (DCP plans and reads once), into fresh tensors
-    state = {_MODEL_KEY: _fresh({k: v for k, v in current.items() if k in saved})}
+    state = {_MODEL_KEY: _fresh({name(k): v for k, v in current.items() if name(k) in saved})}
     for i, optimizer in enumerate(optimizers):  # (get_optimizer_state_dict creates lazily held state)
-        state[_optimizer_key(i)] = _fresh(get_optimizer_state_dict(module, optimizer))
+        state[_optimizer_key(i)] = _fresh(_renamed_optimizer_state(get_optimizer_state_dict(module, optimizer), name))
     reader.load(state, "the model" + (" and the optimizer state" if optimizers else ""))
     # everything read: now write
-    module.load_state_dict(state[_MODEL_KEY], strict=False)
+    module.load_state_dict({back[k]: v for k, v in state[_MODEL_KEY].items()}, strict=False)
     for i, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(module, optimizer, state[_optimizer_key(i)], options=StateDictOptions(strict=strict))
+        loaded = _renamed_optimizer_state(state[_optimizer_key(i)], back.__getitem__)
+        set_optimizer_state_dict(module, optimizer, loaded, options=StateDictOptions(strict=strict))
     return meta
+
+
+def saved_names(saved: Iterable[str], current: Iterable[str]) -> Callable[[str], str]:
+    """``current key -> saved key``, where the two sets name the same tensors under a different
+    root: a Trainer checkpoint of a LightningModule that holds the model as ``self.model``
+    (``model.transformer.wte.weight``) and a Fabric checkpoint of the model itself
+    (``transformer.wte.weight``), either way round. The identity when the keys agree, or when
+    no prefix of whole attribute names makes them agree."""
+    saved, current = set(saved), set(current)
+    if not saved or not current or current <= saved or saved <= current:
+        return lambda key: key
+    for longer, shorter, add in ((saved, current, True), (current, saved, False)):
+        prefix = os.path.commonprefix(sorted(longer)[:1] + sorted(longer)[-1:])
+        prefix = prefix[: prefix.rfind(".") + 1]
+        if prefix and {k[len(prefix):] for k in longer} & shorter and all(k.startswith(prefix) for k in longer):
+            return (lambda key: prefix + key) if add else (lambda key: key[len(prefix):] if key.startswith(prefix) else key)
+    return lambda key: key
+
+
+def current_names(saved: Iterable[str], current: Iterable[str]) -> Callable[[str], str]:
+    """``saved key -> current key``: the inverse of :func:`saved_names`."""
+    current = list(current)
+    name = saved_names(saved, current)
+    back = {name(k): k for k in current}
+    return lambda key: back.get(key, key)
+
+
+def _renamed_optimizer_state(state: Mapping[str, Any], name: Callable[[str], str]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name (``get_optimizer_state_dict``), renamed."""
+    return {
+        "state": {name(k): v for k, v in state.get("state", {}).items()},
+        "param_groups": [{**g, "params": [name(p) for p in g["params"]]} for g in state.get("param_groups", [])],
+    }
 
 
 def check_fits(saved: Mapping[str, Any], current: Mapping[str, Any], strict: bool, where: str) -> None:

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
@@ -46,12 +45,11 @@ from typing_extensions import override
 
 from lightning_autosp.arguments import check_arguments
 from lightning_autosp.backend import CompiledStep
-from lightning_autosp.checkpoint import is_distributed_checkpoint, load_distributed, optimizer_param_names
+from lightning_autosp.checkpoint import current_names, is_distributed_checkpoint, load_distributed, optimizer_param_names
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.fsdp import whole
-from lightning_autosp.layout import SPLayout, validate_layout
 from lightning_autosp.launch import prepare_rank
-from lightning_autosp.mesh import sp_mesh
+from lightning_autosp.mesh import SPGrid
 from lightning_autosp.sharded_init import has_meta_tensors, materialize_meta
 from lightning_autosp.sharded_mode import ShardedMode
 from lightning_autosp.steps import StepRunner
@@ -63,7 +61,7 @@ if TYPE_CHECKING:
 __all__ = ["AutoSPStrategy"]
 
 
-class AutoSPStrategy(DDPStrategy):
+class AutoSPStrategy(SPGrid, DDPStrategy):
     """Sequence parallelism (DeepSpeed-Ulysses, applied by AutoSP's compiler pass) for Fabric.
 
     Takes the arguments of the Trainer's :class:`lightning_autosp.AutoSPStrategy` of the same
@@ -116,41 +114,6 @@ class AutoSPStrategy(DDPStrategy):
         self._device_mesh: Optional["DeviceMesh"] = None
         self._runner: Optional[StepRunner] = None
 
-    # ------------------------------------------------------------------ layout
-    @property
-    def sp_size(self) -> int:
-        return self._sp_size_arg if self._sp_size_arg is not None else max(self.num_processes, 1)
-
-    @property
-    def layout(self) -> SPLayout:
-        return SPLayout(self.num_nodes * self.num_processes, self.sp_size)
-
-    @property
-    def sp_rank(self) -> int:
-        return self.layout.sp_rank(self.global_rank)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.layout.dp_rank(self.global_rank)
-
-    @property
-    def dp_size(self) -> int:
-        return self.layout.dp_size
-
-    @property
-    def device_mesh(self) -> "DeviceMesh":
-        if self._device_mesh is None:
-            raise RuntimeError("AutoSPStrategy.device_mesh is available after `fabric.launch()`.")
-        return self._device_mesh
-
-    @property
-    def sp_group(self) -> dist.ProcessGroup:
-        return self.device_mesh.get_group("sp")
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.device_mesh.get_group("dp")
-
     @property
     def compiled_steps(self) -> Mapping[str, CompiledStep]:
         """What AutoSP compiled, per function given to :meth:`compile_step` (by its name)."""
@@ -158,28 +121,17 @@ class AutoSPStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        validate_layout(self.sp_size, self.num_nodes * self.num_processes, self.num_processes)  # before any worker starts
+        self._validated_layout()  # in the launching process, before any worker starts
         super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
-        layout = validate_layout(self.sp_size, self.num_nodes * self.num_processes, self.num_processes)
+        self._validated_layout()
         prepare_rank(self._start_method)  # (Fabric's modules are built after the launch, in each rank)
         super().setup_environment()
-        self._device_mesh = sp_mesh(layout, self.root_device.type, self._timeout)
-        if self._sharded is not None:
-            self._sharded.setup_mesh(layout.world_size, self.num_processes, self.root_device.type, self._timeout)
+        layout = self._build_grid(self.root_device.type, self._timeout, self._sharded)
         self._runner = StepRunner(self._step_config, self.sp_size, self.sp_rank, self.sp_group, self.root_device)
-        rank_zero_info(
-            f"AutoSP: {layout.world_size} processes as dp={layout.dp_size} x sp={layout.sp_size}; "
-            f"SP groups {layout.all_sp_groups()}"
-        )
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every rank of an SP group reads the same samples; SP groups read disjoint ones
-        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+        rank_zero_info(self._grid_summary(layout))
 
     # ------------------------------------------------------------------ the compiled step
     def compile_step(self, fn: Callable) -> Callable:
@@ -203,6 +155,7 @@ class AutoSPStrategy(DDPStrategy):
         warned: list[bool] = []
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            _refuse_compiled_modules(name, (*args, *kwargs.values()))
             out = self._runner.run(name, name, compiled, (args, kwargs), *args, **kwargs)
             if not warned and _holds_sequence(out, self._runner.marked_length):
                 warned.append(True)
@@ -287,12 +240,15 @@ class AutoSPStrategy(DDPStrategy):
             meta = load_distributed(path, module, list(optimizers.values()), strict=strict, weights_only=weights_only)
         else:
             meta = torch.load(path, map_location="cpu", **({} if weights_only is None else {"weights_only": weights_only}))
+            name = current_names(meta["state_dict"], module.state_dict())  # (a Trainer checkpoint: "model." keys)
+            model_state = {name(k): v for k, v in meta["state_dict"].items()}
             if ShardedMode.is_sharded(module):
-                ShardedMode.load_model_state(module, meta["state_dict"], strict, where)
+                ShardedMode.load_model_state(module, model_state, strict, where)
                 names = (meta.get("autosp") or {}).get("optimizer_param_names")
+                names = None if names is None else [[name(n) for n in group] for group in names]
                 ShardedMode.load_optimizer_states(module, list(optimizers.values()), meta.get("optimizer_states", []), names, where)
             else:
-                module.load_state_dict(meta["state_dict"], strict=strict)
+                module.load_state_dict(model_state, strict=strict)
                 for optimizer, saved in zip(optimizers.values(), meta.get("optimizer_states", [])):
                     optimizer.load_state_dict(saved)
         for key in ("state_dict", "optimizer_states", "autosp"):
@@ -345,6 +301,25 @@ def _split_state(state: Mapping[str, Any]) -> tuple[torch.nn.Module, dict[str, A
 def _keys(state: Mapping[str, Any], optimizers: Mapping[str, Any]) -> dict[str, Any]:
     module_key = next(k for k, v in state.items() if isinstance(v, torch.nn.Module))
     return {"module": module_key, "optimizers": list(optimizers)}
+
+
+def _refuse_compiled_modules(name: str, args: Sequence[Any]) -> None:
+    """A model compiled by the user runs as a compiled region of its own, outside the graph
+    AutoSP rewrites (Fabric re-applies a ``torch.compile`` after ``fabric.setup``)."""
+    from torch._dynamo import OptimizedModule
+
+    for a in args:
+        while isinstance(a, torch.nn.Module) and not isinstance(a, OptimizedModule):  # through Fabric's and DDP's wrappers
+            inner = getattr(a, "_forward_module", None) or (a.module if isinstance(a, DistributedDataParallel) else None)
+            if inner is None:
+                break
+            a = inner
+        if isinstance(a, OptimizedModule):
+            raise AutoSPError(
+                f"AutoSPStrategy.compile_step: `{name}` is given a model compiled with torch.compile (Fabric compiles it "
+                "again after `fabric.setup`): it would run as a compiled region of its own, outside the graph AutoSP "
+                "rewrites, unsplit. Give fabric.setup the model uncompiled: AutoSP compiles the whole step."
+            )
 
 
 def _holds_sequence(out: Any, length: Optional[int]) -> bool:

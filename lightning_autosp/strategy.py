@@ -15,7 +15,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
@@ -27,12 +26,11 @@ from typing_extensions import override
 from lightning_autosp import module_hooks
 from lightning_autosp._compat import load_checkpoint_kwargs
 from lightning_autosp.backend import CompiledStep
-from lightning_autosp.checkpoint import is_distributed_checkpoint, load_distributed, optimizer_param_names
+from lightning_autosp.checkpoint import current_names, is_distributed_checkpoint, load_distributed, optimizer_param_names
 from lightning_autosp.arguments import check_arguments
 from lightning_autosp.fsdp import DDP_ONLY_ARGUMENTS
-from lightning_autosp.layout import SPLayout, validate_layout
 from lightning_autosp.launch import prepare_rank
-from lightning_autosp.mesh import sp_mesh
+from lightning_autosp.mesh import SPGrid
 from lightning_autosp.passes.sac import SACConfig
 from lightning_autosp.sampler import make_resumable
 from lightning_autosp.sharded_init import has_meta_tensors
@@ -50,7 +48,7 @@ __all__ = ["AutoSPStrategy"]
 _COMPILED_STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class AutoSPStrategy(DDPStrategy):
+class AutoSPStrategy(SPGrid, DDPStrategy):
     """Sequence parallelism (DeepSpeed-Ulysses) applied by a compiler pass, on top of DDP.
 
     The world is a ``(dp, sp)`` grid: each SP group of ``sp_size`` contiguous ranks (inside one
@@ -83,41 +81,28 @@ class AutoSPStrategy(DDPStrategy):
             for memory (attention and collectives stay saved).
         seq_dim: the sequence dim of the batch's tensors (``[B, S]`` token ids: 1).
         fsdp: shard parameters, gradients and optimizer state (ZeRO-3 semantics,
-            :mod:`lightning_autosp.fsdp`) instead of a DDP replica per rank: ``True`` or ``"full"``
-            over every rank of the ``dp x sp`` world, ``"hybrid"`` over the ranks of each node with
-            a replica per node (parameters gathered over intra-node links only). Every parameter
-            is a ``DTensor`` under the model's own name, with its global shape; its gradient and
-            the optimizer's elementwise state are DTensors too, so ``configure_optimizers``,
-            ``clip_grad_norm_`` / ``gradient_clip_val`` and norms see what they see on one
-            device. The parameters are all-gathered inside the compiled step (with ``sac=True``
-            gathered again in backward rather than saved) and their gradients
-            reduce-scattered; losses and parameters stay those of one device. At the end of
-            ``fit`` the module gets its full parameters back (gathered on every rank), so
-            ``trainer.validate``/``test`` and saving the model work as after DDP. Modules built in
-            ``configure_model`` or under ``Trainer.init_module()`` stay on the ``meta`` device
-            until ``setup`` initialises them (see :meth:`tensor_init_context`). Checkpoints saved
-            during ``fit`` are torch distributed checkpoint (DCP) directories
-            (:mod:`lightning_autosp.checkpoint`) that resume on any layout, sharded or not. The
-            DDP wrapper's own arguments (``ddp_comm_hook``, ``find_unused_parameters``, ...) are
-            refused with it.
+            :mod:`lightning_autosp.sharded_mode`) instead of a DDP replica per rank: ``True`` or
+            ``"full"`` over every rank, ``"hybrid"`` over the ranks of each node with a replica per
+            node. Every parameter is a ``DTensor`` under its own name with its global shape (so
+            ``configure_optimizers``, clipping and norms see what they see on one device),
+            all-gathered inside the compiled step and its gradient reduce-scattered. Modules built
+            in ``configure_model`` or under ``Trainer.init_module()`` stay on ``meta`` until
+            ``setup``; checkpoints are DCP directories that resume on any layout; after ``fit`` the
+            module holds full parameters again. DDP's own arguments are refused with it.
         param_dtype: with ``fsdp``, the dtype parameters are gathered and computed in; ``None``
             follows ``Trainer(precision=...)`` (``"bf16-mixed"``: bfloat16, ``"16-mixed"``:
             float16, otherwise their own dtype). The shards (and the optimizer) stay in their
             own dtype (fp32 masters).
         reduce_dtype: with ``fsdp``, the dtype gradients are reduce-scattered in; ``None``:
             float32 where parameters are gathered in a lower precision.
-        pretrained: with ``fsdp``, weights to start from, per LightningModule attribute built in
+        pretrained: with ``fsdp``, weights to start from per LightningModule attribute built in
             ``configure_model`` (``{"model": "/path/to/hf_model_dir"}``; ``""``: the module
-            itself): a Hugging Face directory of ``*.safetensors`` files, a ``.safetensors``
-            file, or a ``torch.save``-d state dict; keys as the attribute's ``state_dict()``
-            names them. Each rank reads only the rows of its own shards
-            (:func:`lightning_autosp.sharded_init.load_pretrained`).
+            itself): a Hugging Face directory of ``*.safetensors``, a ``.safetensors`` file or a
+            ``torch.save``-d state dict; each rank reads only its shards.
         chunked_loss: compute ``cross_entropy(linear(hidden, W_vocab), labels)`` in chunks of
-            tokens so the ``tokens x vocabulary`` logits are never live whole
-            (:mod:`lightning_autosp.fused_loss`; same loss and gradients). ``True`` (default)
-            sizes the chunks from the vocabulary (about 256 MiB of fp32 logits each), an int sets
-            the tokens per chunk, ``False`` keeps the logits. Applied only where nothing else in
-            the step reads the logits (a step that returns or logs them keeps them).
+            tokens, never the whole logits (:mod:`lightning_autosp.fused_loss`; same loss and
+            gradients), where nothing else in the step reads them: ``True`` sizes the chunks
+            from the vocabulary, an int sets the tokens per chunk, ``False`` keeps the logits.
         **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument
             (``process_group_backend``, ``start_method``, ``timeout``, DDP kwargs such as
             ``find_unused_parameters``...).
@@ -203,41 +188,6 @@ class AutoSPStrategy(DDPStrategy):
         from the vocabulary, ``None``: off), from ``chunked_loss``."""
         return self._step_config.loss_chunk
 
-    # ------------------------------------------------------------------ layout
-    @property
-    def sp_size(self) -> int:
-        return self._sp_size_arg if self._sp_size_arg is not None else max(self.num_processes, 1)
-
-    @property
-    def layout(self) -> SPLayout:
-        return SPLayout(self.num_nodes * self.num_processes, self.sp_size)
-
-    @property
-    def sp_rank(self) -> int:
-        return self.layout.sp_rank(self.global_rank)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.layout.dp_rank(self.global_rank)
-
-    @property
-    def dp_size(self) -> int:
-        return self.layout.dp_size
-
-    @property
-    def device_mesh(self) -> "DeviceMesh":
-        if self._device_mesh is None:
-            raise RuntimeError("AutoSPStrategy.device_mesh is available after the process group is set up (in `setup`).")
-        return self._device_mesh
-
-    @property
-    def sp_group(self) -> dist.ProcessGroup:
-        return self.device_mesh.get_group("sp")
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.device_mesh.get_group("dp")
-
     @property
     def compiled_steps(self) -> Mapping[str, CompiledStep]:
         """What AutoSP compiled, per step method (``"training_step"``, ``"validation_step"``,
@@ -251,29 +201,18 @@ class AutoSPStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        validate_layout(self.sp_size, self.num_nodes * self.num_processes, self.num_processes)  # before any worker starts
+        self._validated_layout()  # in the launching process, before any worker starts
         super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
-        layout = validate_layout(self.sp_size, self.num_nodes * self.num_processes, self.num_processes)
+        self._validated_layout()
         assert self.lightning_module is not None
         prepare_rank(self._start_method, self.lightning_module)
         super().setup_environment()
-        self._device_mesh = sp_mesh(layout, self.root_device.type, self._timeout)
-        if self._sharded is not None:
-            self._sharded.setup_mesh(layout.world_size, self.num_processes, self.root_device.type, self._timeout)
+        layout = self._build_grid(self.root_device.type, self._timeout, self._sharded)
         self.lightning_module._device_mesh = self._device_mesh
-        rank_zero_info(
-            f"AutoSP: {layout.world_size} processes as dp={layout.dp_size} x sp={layout.sp_size}; "
-            f"SP groups {layout.all_sp_groups()}"
-        )
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every rank of an SP group reads the same samples; SP groups read disjoint ones
-        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+        rank_zero_info(self._grid_summary(layout))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -387,8 +326,11 @@ class AutoSPStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self._restored_by_strategy:
             return
+        module = self.lightning_module
+        name = current_names(checkpoint["state_dict"], module.state_dict())  # (a Fabric checkpoint: the model's own keys)
+        checkpoint = {**checkpoint, "state_dict": {name(k): v for k, v in checkpoint["state_dict"].items()}}
         if self._sharded_now():
-            return ShardedMode.load_model_state(self.lightning_module, checkpoint["state_dict"], strict, self._ckpt_path())
+            return ShardedMode.load_model_state(module, checkpoint["state_dict"], strict, self._ckpt_path())
         super().load_model_state_dict(checkpoint, strict)
 
     @override
@@ -398,6 +340,9 @@ class AutoSPStrategy(DDPStrategy):
         if not self._sharded_now():
             return super().load_optimizer_state_dict(checkpoint)
         names = (checkpoint.get("autosp") or {}).get("optimizer_param_names")
+        if names is not None:
+            name = current_names([n for group in names for n in group], dict(self.lightning_module.named_parameters()))
+            names = [[name(n) for n in group] for group in names]
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         ShardedMode.load_optimizer_states(self.lightning_module, optimizers, checkpoint["optimizer_states"], names, self._ckpt_path())
 

@@ -129,3 +129,71 @@ def test_compile_step_refuses_a_model():
         strategy.compile_step(tiny_gpt("llama"))
     with pytest.raises(ValueError, match=r"fsdp=True.*\['find_unused_parameters'\]"):
         AutoSPStrategy(fsdp=True, find_unused_parameters=True)
+
+
+def test_a_model_compiled_by_the_user_is_refused():
+    """``fabric.setup(torch.compile(model))``: Fabric compiles the model again after setup, and that
+    compiled region would run unsplit outside AutoSP's graph (the step then found no attention).
+    Now the step says so first; the same model uncompiled passes the check (the control)."""
+    from lightning_autosp.fabric import _refuse_compiled_modules
+
+    model = torch.nn.Linear(4, 4)
+    _refuse_compiled_modules("loss_fn", (model, {"input_ids": torch.zeros(1, 4)}))
+    with pytest.raises(Exception, match=r"compiled with torch.compile.*Give fabric.setup the model uncompiled"):
+        _refuse_compiled_modules("loss_fn", (torch.compile(model), {}))
+
+
+class _Holder(torch.nn.Module):
+    """A LightningModule's layout: the model as ``self.model`` (checkpoint keys ``model.*``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tiny_gpt("llama")
+
+
+def _stepped(module):
+    """Moved away from the fresh initialisation, with AdamW state after one step."""
+    model = module.model if isinstance(module, _Holder) else module
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
+    model(torch.randint(0, 64, (1, 8))).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def _cross_load(rank, world, out_dir):
+    """A run moves between the front doors: a DCP checkpoint of the model itself (Fabric) loads
+    into a module holding it as ``self.model`` (the Trainer's LightningModule), and back."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from lightning_autosp.checkpoint import load_distributed, save_distributed
+
+    results = {}
+    for name, writer, reader in (("fabric->trainer", tiny_gpt("llama"), _Holder()), ("trainer->fabric", _Holder(), tiny_gpt("llama"))):
+        optimizer = _stepped(writer)
+        path = os.path.join(out_dir, name)
+        save_distributed({"state_dict": writer.state_dict(), "optimizer_states": [get_optimizer_state_dict(writer, optimizer)], "step": 3},
+                         path, rank=rank, barrier=lambda _: torch.distributed.barrier())
+        assert set(writer.state_dict()) != set(reader.state_dict())  # the keys differ by the "model." root
+        before = max(float((a - b).abs().max()) for a, b in zip(reader.parameters(), writer.parameters()))
+        target = torch.optim.AdamW(reader.parameters(), lr=LR)
+        meta = load_distributed(path, reader, [target])
+        got = [p.detach().clone() for p in reader.parameters()]
+        want = [p.detach().clone() for p in writer.parameters()]
+        moments = [target.state[p]["exp_avg"].clone() for p in reader.parameters()]
+        expected = [optimizer.state[p]["exp_avg"].clone() for p in writer.parameters()]
+        results[name] = (before, meta["step"], max(float((a - b).abs().max()) for a, b in zip(got, want)),
+                         max(float((a - b).abs().max()) for a, b in zip(moments, expected)))
+    return results
+
+
+def test_checkpoints_move_between_fabric_and_the_trainer(tmp_path):
+    from sp_harness import spawn
+
+    (results,) = spawn(tmp_path, _cross_load, 1, str(tmp_path))
+    for name, (before, step, params, moments) in results.items():
+        assert before > 1e-3, name  # control: the reader starts elsewhere
+        assert step == 3 and params == 0 and moments == 0, (name, params, moments)

@@ -22,7 +22,8 @@ from lightning_autosp import AutoSPStrategy
 from lightning_autosp.backend import AutoSPBackend
 from lightning_autosp.passes.accounting import OP_KINDS, node_kind
 from lightning_autosp.examples.models import Llama, LlamaConfig
-from lightning_autosp.passes.sac import RECOMPUTABLE_KINDS, SACConfig, SACPartitioner, _op_name, forward_nodes
+from lightning_autosp.passes.joint_graph import forward_nodes, op_name as _op_name
+from lightning_autosp.passes.sac import RECOMPUTABLE_KINDS, SACConfig, SACPartitioner
 
 A2A = (torch.ops.autosp.seq_gather.default, torch.ops.autosp.seq_scatter.default)
 
@@ -252,13 +253,13 @@ def _fused_loss_recomputed_worker(rank, world):
     gradients would still be right, computed twice. Returns the compile error, if any, and, as
     the control, whether the unforced partition compiles and trains."""
     import lightning_autosp.backend as backend_module
-    from lightning_autosp.passes import sac as sac_module
+    from lightning_autosp.passes.joint_graph import is_fused_loss
 
     class Forcing(SACPartitioner):
         def _partition(self, gm, joint_inputs, budget, kwargs):
             for n in gm.graph.nodes:
-                fused = sac_module._is_fused_loss(n)
-                if fused or (n.target is operator.getitem and sac_module._is_fused_loss(n.args[0])):
+                fused = is_fused_loss(n)
+                if fused or (n.target is operator.getitem and is_fused_loss(n.args[0])):
                     n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             return super()._partition(gm, joint_inputs, budget, kwargs)
 

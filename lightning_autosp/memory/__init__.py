@@ -1,5 +1,7 @@
-"""Activation memory: what each compiled graph saves for backward (:mod:`.accounting`) and the
-:class:`ActivationMemoryMonitor` callback that logs it (:mod:`.monitor`)."""
+"""Activation memory as users see it: the :class:`ActivationMemoryMonitor` callback
+(:mod:`.monitor`) that logs what each compiled graph saves for backward (recorded by
+:mod:`lightning_autosp.passes.accounting`, which SAC and the backend share) and the same for
+eager forwards (:mod:`.eager`)."""
 
 from lightning_autosp.passes.accounting import OP_KINDS, op_kind
 from lightning_autosp.memory.monitor import ActivationMemoryMonitor

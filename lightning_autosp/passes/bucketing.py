@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from lightning_autosp.passes.sac import gathered_input
+from lightning_autosp.passes.joint_graph import gathered_input
 
 __all__ = ["BucketStats", "block_of", "parameter_collective_buckets", "bucket_parameter_collectives_pass"]
 

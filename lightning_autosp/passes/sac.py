@@ -18,13 +18,13 @@ tells it which forward ops to recompute through its public contract, ``node.meta
 * everything else (residual adds, embeddings, the loss, RoPE tables) is left to the
   partitioner's own cost model, optionally under an ``activation_memory_budget``.
 
-Op kinds are those of the memory report (:data:`lightning_autosp.memory.OP_KINDS`), so what
+Op kinds are those of the memory report (:data:`lightning_autosp.passes.accounting.OP_KINDS`), so what
 SAC recomputes is what the :class:`~lightning_autosp.memory.monitor.ActivationMemoryMonitor` shows
 shrinking.
 
 :class:`SACPartitioner` is the partition function of one AutoSP compile: tag (when SAC is on),
 run ``min_cut_rematerialization_partition``, check the postcondition, and record the saved
-activations (:class:`~lightning_autosp.memory.SavedActivations`). It is passed explicitly to
+activations (:class:`~lightning_autosp.passes.accounting.SavedActivations`). It is passed explicitly to
 AOT autograd (``aot_eager``) or as inductor's ``custom_partitioner_fn`` config patch for our
 compile only, so any other ``torch.compile`` in the process is unaffected.
 """
@@ -43,7 +43,6 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -51,6 +50,18 @@ from lightning_autosp._compat import prepare_recompute_tags
 from lightning_autosp.passes import accounting as memory
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.passes.accounting import OP_KINDS, SavedActivations, list_saved_activations, node_kind
+from lightning_autosp.passes.joint_graph import (
+    forward_nodes,
+    has_tensor_output,
+    is_attention,
+    is_collective,
+    is_fused_loss,
+    is_random,
+    op_name,
+    parameter_gathers,
+    recomputes,
+    repeat_of_exchange,
+)
 
 __all__ = ["SACConfig", "RECOMPUTABLE_KINDS", "sac_tag_pass", "SACPartitioner"]
 
@@ -108,141 +119,6 @@ class SACConfig:
         object.__setattr__(self, "memory_budget", float(b))
 
 
-def _is_collective(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace in memory.COLLECTIVE_NAMESPACES
-
-
-_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "slice", "alias", "expand", "t", "permute", "transpose", "unsqueeze"})
-
-
-def _is_view(node: fx.Node) -> bool:
-    name = memory.qualified_op_name(node.target) if node.op == "call_function" else None
-    return name is not None and name.rpartition("::")[2].split(".")[0] in _VIEWS
-
-
-def repeat_of_exchange(node: fx.Node) -> list[fx.Node]:
-    """When attention reads ``node`` as a copy of an all-to-all's output seen through views -
-    the KV heads the SP pass repeats after exchanging them (``transpose``, ``unsqueeze``,
-    ``expand``, ``clone``, ``_unsafe_view``) - the nodes from that copy on (the copy and its
-    views), which backward can redo from the saved all-to-all output instead of keeping ``Hk``
-    /``H`` of a repeated copy; otherwise ``[]``."""
-    chain: list[fx.Node] = []
-    copies = 0
-    n = node
-    while isinstance(n, fx.Node) and n.op == "call_function":
-        if _is_collective(n) or (n.target is operator.getitem and _is_collective(n.args[0])):
-            return chain if copies == 1 else []
-        if _op_name(n) == "aten::clone":
-            copies += 1
-        elif not _is_view(n):
-            return []
-        chain.append(n)
-        n = n.args[0]
-    return []
-
-
-def parameter_gathers(joint: fx.GraphModule, fwd: set[fx.Node]) -> list[fx.Node]:
-    """The forward all-gathers of a graph input (``fsdp``'s parameter shards, seen through
-    views, a dtype cast or the padding of an uneven shard: :func:`gathered_input`), with those
-    ops before them, their waits and the views of the gathered value: what SAC recomputes in
-    backward instead of saving a full weight per layer - or, under ``param_dtype``, the
-    low-precision copy of every shard for the whole forward."""
-    out: list[fx.Node] = []
-    for node in joint.graph.nodes:
-        if node not in fwd or gathered_input(node) is None:
-            continue
-        out.extend(_shard_prep(node))
-        todo = [node]
-        while todo:
-            n = todo.pop()
-            out.append(n)
-            todo.extend(u for u in n.users if u in fwd and (_is_view(u) or _op_name(u) == _WAIT))
-    return out
-
-
-#: what may stand between a parameter shard and its all-gather: a cast to ``param_dtype``, the
-#: padding of an uneven shard to the common size
-_SHARD_PREP = frozenset({"_to_copy", "convert_element_type", "constant_pad_nd", "contiguous", "clone"})
-
-
-def _shard_prep(gather: fx.Node) -> list[fx.Node]:
-    """The views and :data:`_SHARD_PREP` ops between an all-gather and what it reads first."""
-    chain, src = [], gather.args[0]
-    while isinstance(src, fx.Node) and src.op == "call_function" and (_is_view(src) or (_op_name(src) or "").rpartition("::")[2].split(".")[0] in _SHARD_PREP):
-        chain.append(src)
-        src = src.args[0]
-    return chain
-
-
-def gathered_input(node: fx.Node) -> Optional[fx.Node]:
-    """If ``node`` is an all-gather of a graph input (through views and :data:`_SHARD_PREP`
-    ops), that input (a placeholder); otherwise ``None``."""
-    if _op_name(node) not in _GATHERS:
-        return None
-    chain = _shard_prep(node)
-    src = chain[-1].args[0] if chain else node.args[0]
-    return src if isinstance(src, fx.Node) and src.op == "placeholder" else None
-
-
-# the functional all-gather (the autograd variant traces to the plain one) and its wait
-_GATHERS = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional_autograd::all_gather_into_tensor")
-_WAIT = "_c10d_functional::wait_tensor"
-_FUSED_LOSS = "autosp_loss::linear_cross_entropy"
-
-
-def _op_name(node: fx.Node) -> Optional[str]:
-    """The qualified name of the op ``node`` runs; a random op the partitioner wrapped to save or
-    replay its RNG state (``run_and_save_rng_state`` in the forward, ``run_with_rng_state`` where
-    it is recomputed in backward) is named by the op it wraps."""
-    if node.op != "call_function":
-        return None
-    if node.target is run_and_save_rng_state and node.args:
-        return memory.qualified_op_name(node.args[0])
-    if node.target is run_with_rng_state and len(node.args) > 1:
-        return memory.qualified_op_name(node.args[1])
-    return memory.qualified_op_name(node.target)
-
-
-def _recomputes(node: fx.Node, fw_names: set[str]) -> bool:
-    """Whether backward node ``node`` runs a forward op again: it keeps the forward node's name,
-    or replays a random forward op's RNG state."""
-    return node.op == "call_function" and (node.name in fw_names or node.target is run_with_rng_state)
-
-
-def _is_fused_loss(node: fx.Node) -> bool:
-    return _op_name(node) == _FUSED_LOSS
-
-
-def _is_attention(node: fx.Node) -> bool:
-    name = _op_name(node)
-    return name is not None and memory.op_kind(name) == "attention"
-
-
-def _is_random(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
-
-
-def _has_tensor_output(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        return any(isinstance(v, torch.Tensor) for v in val)
-    return isinstance(val, torch.Tensor)
-
-
-def forward_nodes(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
-    """Nodes of the joint graph needed to compute its forward outputs."""
-    out = joint.graph.find_nodes(op="output")[0]
-    todo = [n for n in torch.utils._pytree.tree_leaves(out.args[0])[:num_fwd_outputs] if isinstance(n, fx.Node)]
-    seen: set[fx.Node] = set()
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
-    return seen
-
-
 def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConfig) -> fx.GraphModule:
     """Tag the forward nodes of an AOT joint graph with the SAC checkpoint policy (in place).
 
@@ -265,10 +141,10 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
     for node in joint.graph.nodes:
         if node.op != "call_function" or node not in fwd or "recompute" in node.meta:
             continue
-        if _is_collective(node) or _is_fused_loss(node):
+        if is_collective(node) or is_fused_loss(node):
             for n in (node, *(u for u in node.users if u.target is operator.getitem)):
                 save(n)
-        elif _is_attention(node):
+        elif is_attention(node):
             save(node)
             for u in node.users:
                 if u.target is operator.getitem:
@@ -284,7 +160,7 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
     for node in joint.graph.nodes:
         if node.op != "call_function" or node not in fwd or "recompute" in node.meta:
             continue
-        if node.target is operator.getitem or not _has_tensor_output(node) or _is_random(node):
+        if node.target is operator.getitem or not has_tensor_output(node) or is_random(node):
             continue  # getitems follow the multi-output op they read
         kind = node_kind(node)
         if kind in config.recompute:
@@ -297,8 +173,8 @@ def _recomputed_ops(fw: fx.GraphModule, bw: fx.GraphModule) -> dict[str, int]:
     fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
     counts: Counter = Counter()
     for n in bw.graph.nodes:
-        if _recomputes(n, fw_names):
-            name = _op_name(n) or getattr(n.target, "__name__", str(n.target))
+        if recomputes(n, fw_names):
+            name = op_name(n) or getattr(n.target, "__name__", str(n.target))
             counts[name.rpartition("::")[2]] += 1
     return dict(counts)
 
@@ -393,18 +269,18 @@ class SACPartitioner(CustomPartitionerFn):
         if tuples:
             return f"would save multi-output op(s) {tuples} whole instead of their outputs"
         fwd = forward_nodes(joint, num_fwd_outputs)
-        joint_bw = sum(1 for n in joint.graph.nodes if n not in fwd and _is_collective(n))
+        joint_bw = sum(1 for n in joint.graph.nodes if n not in fwd and is_collective(n))
         regathered = {n.name for n in joint.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
-        got_bw = memory.count_ops(bw) - sum(1 for n in bw.graph.nodes if n.name in regathered and _is_collective(n))
+        got_bw = memory.count_ops(bw) - sum(1 for n in bw.graph.nodes if n.name in regathered and is_collective(n))
         if got_bw != joint_bw:
             return (
                 f"put {got_bw} collectives in the backward graph where autograd needs {joint_bw} "
                 "(a forward collective would be re-issued)"
             )
         fw_names = {n.name for n in fw.graph.nodes if n.op == "call_function"}
-        for what, is_op in (("attention op(s)", _is_attention), ("the fused vocabulary loss", _is_fused_loss)):
-            ran = {_op_name(n) for n in fw.graph.nodes if is_op(n)}
-            again = [f"{_op_name(n).rpartition('::')[2]} ({n.name})" for n in bw.graph.nodes if _recomputes(n, fw_names) and _op_name(n) in ran]
+        for what, is_op in (("attention op(s)", is_attention), ("the fused vocabulary loss", is_fused_loss)):
+            ran = {op_name(n) for n in fw.graph.nodes if is_op(n)}
+            again = [f"{op_name(n).rpartition('::')[2]} ({n.name})" for n in bw.graph.nodes if recomputes(n, fw_names) and op_name(n) in ran]
             if again:
                 return f"would recompute {what} {again} in backward"
         return None
