@@ -195,6 +195,30 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         return self._sharded.shard(module, precision)
 
     @override
+    def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list[Any], scheduler: Optional[Any] = None) -> tuple:
+        """``fabric.setup(model, optimizer)``. Sharded, the optimizers were built over the
+        parameters before sharding (on the meta device, even): they are pointed at the DTensor
+        parameters that replace them, by name."""
+        if self._sharded is None:
+            return super().setup_module_and_optimizers(module, optimizers, scheduler)
+        names = {id(p): n for n, p in module.named_parameters()}
+        for optimizer in optimizers:
+            foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
+            if optimizer.state or foreign:
+                raise AutoSPError(
+                    f"AutoSPStrategy(fsdp={self._sharded.config.mode!r}): fabric.setup got an optimizer that "
+                    + ("already has state" if optimizer.state else f"holds {len(foreign)} tensor(s) that are not the model's parameters")
+                    + "; its parameters are replaced by DTensor shards here. Build it over `model.parameters()` "
+                    "before its first step, or after `fabric.setup_module(model)` and pass it to `fabric.setup_optimizers`."
+                )
+        module = self.setup_module(module)
+        sharded = dict(module.named_parameters())
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        return module, optimizers, scheduler
+
+    @override
     def module_to_device(self, module: torch.nn.Module) -> None:
         if not has_meta_tensors(module):  # a meta module gets its storage in setup_module
             super().module_to_device(module)

@@ -27,6 +27,8 @@ LR, CLIP, ACCUMULATE, STEPS = 1e-2, 0.5, 2, 2
 def _build(fabric, fsdp):
     with fabric.init_module(empty_init=bool(fsdp)):  # sharded: on the meta device, initialised in setup
         model = tiny_gpt("llama")
+    if fsdp == "hybrid":  # the optimizer built over the meta parameters, set up with the model
+        return fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1))
     model = fabric.setup(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1))
     return model, optimizer
