@@ -12,8 +12,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
 # the compatibility subset: version gates, the pass, SAC, GPT and Llama numerics with SAC on and
-# off, the Hugging Face decoders, the CLI, the sharded mode and its checkpoints (README "Tested
-# versions" lists where it passed)
+# off, the Hugging Face decoders, the CLI, the sharded mode and its checkpoints, LitGPT and the
+# Fabric strategy (README "Tested versions" lists where it passed)
 LIGHTNING_SPEC ?=
 COMPAT_VENV ?= .venv-compat-$(shell echo '$(TORCH_SPEC)$(if $(LIGHTNING_SPEC),-$(LIGHTNING_SPEC))' | tr -c 'A-Za-z0-9.\n-' '_')
 COMPAT_TESTS := tests/test_compat.py tests/test_strategy.py tests/test_pass.py tests/test_sac.py \
@@ -24,7 +24,8 @@ COMPAT_TESTS := tests/test_compat.py tests/test_strategy.py tests/test_pass.py t
 	'tests/test_numerics.py::test_negative_control_sharding_without_pass_fails[llama]' \
 	tests/test_any_model.py::test_hugging_face_decoders tests/test_errors.py \
 	tests/test_memory_monitor.py::test_autosp_with_sac tests/test_cli.py tests/test_fsdp.py tests/test_checkpoints.py \
-	tests/test_failures.py::test_fork_launch_in_a_notebook tests/test_failures.py::test_forkserver_launch_gives_each_rank_its_own_parameters
+	tests/test_failures.py::test_fork_launch_in_a_notebook tests/test_failures.py::test_forkserver_launch_gives_each_rank_its_own_parameters \
+	'tests/test_litgpt.py::test_litgpt_matches_one_device[llama-pretrain]' tests/test_fabric.py
 
 .PHONY: demo test install benchmarks test-compat
 install: $(VENV)/.installed
@@ -52,5 +53,6 @@ benchmarks: install
 test-compat:
 	test -x $(COMPAT_VENV)/bin/python || python3 -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" $(if $(LIGHTNING_SPEC),"$(LIGHTNING_SPEC)") -e ".[test]"
+	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps "litgpt==0.5.13" "psutil>=5"
 	$(COMPAT_VENV)/bin/python -c "import torch, lightning; print('torch', torch.__version__, '/ lightning', lightning.__version__)"
 	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)

@@ -153,3 +153,16 @@ def load_checkpoint_kwargs(weights_only: Optional[bool]) -> dict:
     """``Strategy.load_checkpoint``'s keyword arguments: Lightning < 2.6 has no ``weights_only``
     (passed only where given)."""
     return {} if weights_only is None else {"weights_only": weights_only}
+
+
+def _fabric_setup_passes_scheduler() -> bool:
+    import inspect
+
+    from lightning.fabric.strategies import Strategy
+
+    return "scheduler" in inspect.signature(Strategy.setup_module_and_optimizers).parameters
+
+
+#: Fabric's ``Strategy.setup_module_and_optimizers`` takes and returns an LR scheduler since
+#: Lightning 2.6 (``(module, optimizers, scheduler)``); 2.5 passes and expects ``(module, optimizers)``.
+FABRIC_SETUP_PASSES_SCHEDULER = _fabric_setup_passes_scheduler()

@@ -43,6 +43,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_autosp._compat import FABRIC_SETUP_PASSES_SCHEDULER
 from lightning_autosp.arguments import check_arguments
 from lightning_autosp.backend import CompiledStep
 from lightning_autosp.checkpoint import current_names, is_distributed_checkpoint, load_distributed, optimizer_param_names
@@ -200,7 +201,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         parameters before sharding (on the meta device, even): they are pointed at the DTensor
         parameters that replace them, by name."""
         if self._sharded is None:
-            return super().setup_module_and_optimizers(module, optimizers, scheduler)
+            return super().setup_module_and_optimizers(module, optimizers, *_scheduler(scheduler))
         names = {id(p): n for n, p in module.named_parameters()}
         for optimizer in optimizers:
             foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
@@ -216,7 +217,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [sharded[names[id(p)]] for p in group["params"]]
-        return module, optimizers, scheduler
+        return (module, optimizers, *_scheduler(scheduler))
 
     @override
     def module_to_device(self, module: torch.nn.Module) -> None:
@@ -286,6 +287,11 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: "_StrategyRegistry") -> None:
         strategy_registry.register("autosp", cls, description="AutoSP sequence parallelism (lightning-autosp)")
+
+
+def _scheduler(scheduler: Any) -> tuple:
+    """The scheduler as Fabric's ``setup_module_and_optimizers`` takes and returns it (Lightning >= 2.6)."""
+    return (scheduler,) if FABRIC_SETUP_PASSES_SCHEDULER else ()
 
 
 class _BackwardSync(_DDPBackwardSyncControl):

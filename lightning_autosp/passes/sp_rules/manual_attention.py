@@ -92,6 +92,8 @@ def _untransposed(kt: Any) -> Optional[fx.Node]:
     last_two = {ndim - 2, ndim - 1}
     if kt.op == "call_function" and kt.target is getattr and kt.args[1:] == ("mT",):
         return k
+    if _name(kt) == "mT" and len(kt.args) == 1:  # torch >= 2.15 traces ``k.mT`` as aten.mT
+        return k
     name = _name(kt)
     if name in ("transpose", "swapaxes") and len(kt.args) == 3 and not kt.kwargs:
         dims = kt.args[1:]

@@ -181,7 +181,14 @@ def expand(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     return rw.copy(node, args), shard.with_dim(dim)
 
 
-@sp_rule(op("transpose", torch.transpose), op("permute", torch.permute), op("swapaxes", torch.swapaxes), op("t"))
+#: ``x.mT`` as torch >= 2.15 traces it (an aten op; older torch: ``getattr(x, "mT")``, a fallback)
+_MT = tuple(f for f in (getattr(torch.ops.aten, "mT", None),) if f is not None)
+
+
+@sp_rule(
+    op("transpose", torch.transpose), op("permute", torch.permute), op("swapaxes", torch.swapaxes), op("t"),
+    op("mT", *_MT, method=False),
+)
 def transpose(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     x = node.args[0]
     shard = rw.placements[x]
@@ -190,6 +197,8 @@ def transpose(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     ndim = rw.val(x).dim()
     if call.name == "t":
         perm = list(range(ndim))[::-1]
+    elif call.name == "mT":
+        perm = [*range(ndim - 2), ndim - 1, ndim - 2]
     elif call.name in ("transpose", "swapaxes"):
         a, b = (norm_dim(int(v), ndim) for v in node.args[1:3])
         perm = list(range(ndim))
