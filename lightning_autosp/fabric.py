@@ -245,9 +245,9 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
             checkpoint["autosp"] = {"fabric_state": _keys(state, optimizers)}
             ShardedMode.save(checkpoint, path, self.global_rank, self.barrier)
             return
-        checkpoint = {"state_dict": module.state_dict(), "optimizer_states": [o.state_dict() for o in optimizers.values()], **rest}
-        checkpoint["autosp"] = {"optimizer_param_names": optimizer_param_names(module, list(optimizers.values())), "fabric_state": _keys(state, optimizers)}
-        if self.is_global_zero:
+        if self.is_global_zero:  # replicas: one file, from rank 0
+            checkpoint = {"state_dict": module.state_dict(), "optimizer_states": [o.state_dict() for o in optimizers.values()], **rest}
+            checkpoint["autosp"] = {"optimizer_param_names": optimizer_param_names(module, list(optimizers.values())), "fabric_state": _keys(state, optimizers)}
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             torch.save(checkpoint, path)
         self.barrier("autosp_fabric_save")

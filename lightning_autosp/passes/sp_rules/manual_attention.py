@@ -212,8 +212,8 @@ def rewrite_manual_attention(rw: "SPRewrite", attn: ManualAttention) -> RuleResu
         )
     kv = {}
     for n in (attn.k, attn.v):
-        found = repeated_heads(rw, n, head_dim)  # the model's repeat of fewer KV heads: exchange them before it
-        if found is not None and int(rw.shape(found[0])[head_dim]) % rw.sp_size == 0:
+        found = _exchanged_before_repeat(rw, n, head_dim)  # the model's repeat of fewer KV heads: exchange them before it
+        if found is not None:
             x, n_rep = found
             rw.stats.all_to_all += 1
             local = _to_heads(rw, _sequence_local(rw, attn.last, x, seq_dim), heads // n_rep, head_dim, seq_dim)
@@ -236,14 +236,18 @@ def rewrite_manual_attention(rw: "SPRewrite", attn: ManualAttention) -> RuleResu
     return _to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
 
 
+def _exchanged_before_repeat(rw: "SPRewrite", n: fx.Node, head_dim: int) -> Optional[tuple[fx.Node, int]]:
+    """``(x, n_rep)`` when ``n`` is the model's repeat of KV heads ``x`` that split over the SP group."""
+    found = repeated_heads(rw, n, head_dim)
+    return found if found is not None and int(rw.shape(found[0])[head_dim]) % rw.sp_size == 0 else None
+
+
 def expected_all_to_alls(rw: "SPRewrite", attn: ManualAttention) -> int:
-    """The all-to-alls :func:`rewrite_manual_attention` emits for ``attn`` (for the pass's postcondition)."""
+    """The all-to-alls :func:`rewrite_manual_attention` emits for ``attn`` (for the pass's postcondition):
+    q and the output, and each of k and v unless it is one head every query head reads (gathered)."""
     head_dim = len(rw.shape(attn.q)) - 3
-    heads = rw.shape(attn.q)[head_dim]
-    count = 2  # q and the output
-    for n in (attn.k, attn.v):
-        found = repeated_heads(rw, n, head_dim)
-        if (found is not None and int(rw.shape(found[0])[head_dim]) % rw.sp_size == 0) or rw.shape(n)[head_dim] == heads:
-            count += 1
-    return count
+    return 2 + sum(
+        _exchanged_before_repeat(rw, n, head_dim) is not None or rw.shape(n)[head_dim] == rw.shape(attn.q)[head_dim]
+        for n in (attn.k, attn.v)
+    )
 
