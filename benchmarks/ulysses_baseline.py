@@ -22,6 +22,8 @@ Both run in eager mode and under a plain ``torch.compile``.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -91,7 +93,9 @@ class UlyssesAttention(nn.Module):
         elif impl != "funcol":
             raise ValueError(f"impl must be 'deepspeed' or 'funcol', got {impl!r}")
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        if mask is not None:
+            raise ValueError("the hand-written Ulysses baseline runs plain causal attention only (no document_ids, no sliding_window)")
         B, s, _ = x.shape  # s = this rank's tokens
         q = self.wq(x).view(B, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, s, self.n_kv_heads, self.head_dim).transpose(1, 2)

@@ -25,6 +25,7 @@ def check_arguments(
     sp_size: Optional[int], compile_backend: str, sac: bool, sac_recompute: Sequence[str], sac_memory_budget: float,
     seq_dim: int, fsdp: Union[bool, str], param_dtype: Optional[Union[str, torch.dtype]],
     reduce_dtype: Optional[Union[str, torch.dtype]], pretrained: Optional[dict[str, str]], chunked_loss: Union[bool, int],
+    tiled_attention: Union[bool, int] = True,
 ) -> tuple[StepConfig, Optional[FSDPConfig]]:
     validate_sp_size(sp_size)
     if compile_backend not in SUPPORTED_BACKENDS:
@@ -51,5 +52,11 @@ def check_arguments(
             "a positive number of tokens per chunk, or False (keep the full logits)."
         )
     loss_chunk: Optional[int] = (0 if chunked_loss else None) if isinstance(chunked_loss, bool) else chunked_loss
+    if not isinstance(tiled_attention, bool) and not (isinstance(tiled_attention, int) and tiled_attention >= 8):
+        raise ValueError(
+            f"AutoSPStrategy(tiled_attention={tiled_attention!r}): pass True (tiles sized automatically), the "
+            "query rows and key columns per tile (an int >= 16), or False (keep masks as dense S x S tensors)."
+        )
+    attention_tile: Optional[int] = (0 if tiled_attention else None) if isinstance(tiled_attention, bool) else tiled_attention
     sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)  # checked even when off
-    return StepConfig(compile_backend, sac_config if sac else None, seq_dim, loss_chunk), fsdp_config
+    return StepConfig(compile_backend, sac_config if sac else None, seq_dim, loss_chunk, attention_tile), fsdp_config

@@ -122,6 +122,9 @@ class AutoSPBackend:
     sac: Optional[SACConfig] = None
     #: tokens per chunk of the fused vocabulary projection and loss (0: automatic, None: off)
     loss_chunk: Optional[int] = 0
+    #: rows/columns per tile of attention with a mask built from positions (0: automatic, None:
+    #: masks stay dense; :func:`~lightning_autosp.passes.sequence_parallel_pass`)
+    attention_tile: Optional[int] = 0
     #: compile SP graphs with the sequence length as ``sp_size*c - r`` (:mod:`lightning_autosp.local_shapes`)
     local_shapes: bool = True
     #: KV heads the model repeats reach attention unrepeated with ``enable_gqa`` (``None``: on CPU;
@@ -155,7 +158,7 @@ class AutoSPBackend:
         start = time.perf_counter()
         gm = sequence_parallel_pass(
             gm, example_inputs, sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=self.group_name, seq_dim=self.seq_dim,
-            loss_chunk=self.loss_chunk, native_gqa=self.native_gqa,
+            loss_chunk=self.loss_chunk, native_gqa=self.native_gqa, attention_tile=self.attention_tile,
         )
         self.pass_stats.append(gm.meta["autosp"])
         self.timings["sp_pass"] += time.perf_counter() - start

@@ -68,7 +68,8 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     Takes the arguments of the Trainer's :class:`lightning_autosp.AutoSPStrategy` of the same
     names (``sp_size``, ``compile_backend``, ``sac``, ``sac_recompute``, ``sac_memory_budget``,
     ``seq_dim``, ``fsdp``, ``param_dtype``, ``reduce_dtype``, ``pretrained`` - keyed by attribute of
-    the module given to ``fabric.setup``, ``""`` for the module itself -, ``chunked_loss``) and
+    the module given to ``fabric.setup``, ``""`` for the module itself -, ``chunked_loss``,
+    ``tiled_attention``) and
     Fabric's DDP strategy's. Compile the loss computation with :meth:`compile_step`.
     """
 
@@ -85,6 +86,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         reduce_dtype: Optional[Union[str, torch.dtype]] = None,
         pretrained: Optional[dict[str, str]] = None,
         chunked_loss: Union[bool, int] = True,
+        tiled_attention: Union[bool, int] = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -97,7 +99,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     ) -> None:
         self._step_config, config = check_arguments(
             sp_size, compile_backend, sac, sac_recompute, sac_memory_budget, seq_dim, fsdp, param_dtype, reduce_dtype,
-            pretrained, chunked_loss,
+            pretrained, chunked_loss, tiled_attention,
         )
         if config is not None and kwargs:
             raise ValueError(

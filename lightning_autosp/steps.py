@@ -47,6 +47,8 @@ class StepConfig:
     seq_dim: int = 1
     #: tokens per chunk of the fused vocabulary loss (0: sized from the vocabulary, None: off)
     loss_chunk: Optional[int] = 0
+    #: rows/columns per tile of attention with a mask built from positions (0: automatic, None: dense masks)
+    attention_tile: Optional[int] = 0
 
 
 class StepRunner:
@@ -64,6 +66,7 @@ class StepRunner:
         self.backends: dict[str, AutoSPBackend] = {}
         self._checked: set[str] = set()
         self._diverged: set[str] = set()  # steps whose SP ranks compiled different graphs (warned)
+        self._packed_checked: set[str] = set()  # steps whose batch was checked for packed documents
         self.marked: list[str] = []  # the batch dims the last step marked as sequence dims
         self.marked_length: Optional[int] = None  # and their size: the last batch's sequence length
 
@@ -72,7 +75,7 @@ class StepRunner:
         cfg = self.config
         backend = AutoSPBackend(
             sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=self.sp_group.group_name, seq_dim=cfg.seq_dim,
-            backend=cfg.compile_backend, sac=cfg.sac, loss_chunk=cfg.loss_chunk,
+            backend=cfg.compile_backend, sac=cfg.sac, loss_chunk=cfg.loss_chunk, attention_tile=cfg.attention_tile,
         )
         self.backends[name] = backend
         compiled = torch.compile(fn, backend=backend)
@@ -114,6 +117,7 @@ class StepRunner:
             breaks = Counter(graph_break_counter()) - breaks_before
             raise AutoSPError(f"{cause}{_describe_breaks(breaks)}") from exc
         self._check_rewritten(name, where)
+        self._check_packed_positions(name, batch)
         return out
 
     def prepare_batch(self, batch: Any, step: str) -> None:
@@ -185,7 +189,39 @@ class StepRunner:
         for g in backend.pass_stats:
             if g.fallbacks:
                 log.warning("AutoSP ran %d op(s) of %s replicated: %s", len(g.fallbacks), step, "; ".join(g.fallbacks))
+            if g.dense_masks:
+                log.warning(
+                    "AutoSP keeps %d attention mask(s) of %s as dense S x S tensors on every SP rank (their memory grows "
+                    "with the square of the sequence length): %s. Masks AutoSP evaluates per tile are built in the step "
+                    "from positions (see the supported-models page).", len(g.dense_masks), step, "; ".join(g.dense_masks),
+                )
         self._checked.add(step)
+
+
+    def _check_packed_positions(self, step: str, batch: Any) -> None:
+        """Warn once per step when the batch packs several documents in a row (position ids that
+        restart) but no attention mask of the step reads them: every document then attends to the
+        ones before it - on one device too. A Hugging Face model called with a cache (the default
+        ``use_cache=True``) switches off its own packed-document detection this way."""
+        if step in self._packed_checked or step not in self.backends:
+            return
+        self._packed_checked.add(step)
+        restarting = [
+            path for path, t in tree_flatten_with_path(batch)[0]
+            if isinstance(t, torch.Tensor) and "position" in keystr(path) and t.dim() >= 1 and t.shape[-1] > 1
+            and not t.is_floating_point() and bool((t.diff(dim=-1) != 1).any())
+        ]
+        if not restarting:
+            return
+        read = {name for g in self.backends[step].pass_stats for name in g.mask_inputs}
+        if any("position" in name for name in read):
+            return
+        log.warning(
+            "AutoSP: batch%s restarts within a row (packed documents), but no attention mask of %s reads it: every "
+            "token attends to the documents before its own, on one device as under AutoSP. A Hugging Face model "
+            "builds a document mask from position_ids only without a cache: call it with use_cache=False (or "
+            "pass a mask that separates the documents).", keystr(restarting[0]), step,
+        )
 
 
 def _sequence_length(tensors: Sequence[tuple[str, torch.Tensor]], seq_dim: int) -> Optional[int]:

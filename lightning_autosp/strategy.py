@@ -103,6 +103,14 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
             tokens, never the whole logits (:mod:`lightning_autosp.fused_loss`; same loss and
             gradients), where nothing else in the step reads them: ``True`` sizes the chunks
             from the vocabulary, an int sets the tokens per chunk, ``False`` keeps the logits.
+        tiled_attention: attention whose mask the model builds from positions (causal with padding,
+            packed documents from restarting ``position_ids`` or document ids, sliding windows,
+            ALiBi, soft-capping in hand-written attention) runs tile by tile with the mask
+            evaluated per tile (:mod:`lightning_autosp.tiled_attention`; same loss and gradients),
+            so no ``S x S`` mask or score tensor exists and fully masked tiles are skipped: ``True``
+            sizes the tiles automatically, an int sets the query rows and key columns per tile,
+            ``False`` keeps such masks as dense ``S x S`` tensors on every rank. Plain causal
+            attention (``is_causal=True``) keeps PyTorch's kernel either way.
         **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument
             (``process_group_backend``, ``start_method``, ``timeout``, DDP kwargs such as
             ``find_unused_parameters``...).
@@ -130,6 +138,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         reduce_dtype: Optional[Union[str, torch.dtype]] = None,
         pretrained: Optional[dict[str, str]] = None,
         chunked_loss: Union[bool, int] = True,
+        tiled_attention: Union[bool, int] = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -146,7 +155,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     ) -> None:
         self._step_config, config = check_arguments(
             sp_size, compile_backend, sac, sac_recompute, sac_memory_budget, seq_dim, fsdp, param_dtype, reduce_dtype,
-            pretrained, chunked_loss,
+            pretrained, chunked_loss, tiled_attention,
         )
         self._sharded = ShardedMode(config, pretrained, rank_zero_info) if config is not None else None
         if config is not None:
@@ -176,7 +185,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         self._sp_size_arg = sp_size
         self.compile_backend, self.sac, self.seq_dim = compile_backend, sac, seq_dim
         self.sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)
-        self.fsdp, self.chunked_loss = fsdp, chunked_loss
+        self.fsdp, self.chunked_loss, self.tiled_attention = fsdp, chunked_loss, tiled_attention
         self._device_mesh: Optional["DeviceMesh"] = None
         self._runner: Optional[StepRunner] = None
         self._eager_calls: list[tuple[Any, str, Any]] = []

@@ -364,6 +364,7 @@ def run_fit(
     start_method: str = START_METHOD,
     ddp_unshared: bool = True,
     distributed_sampler: bool = True,
+    tiled_attention: Any = True,
 ) -> Run:
     """Fit on ``devices`` CPU processes (started by ``start_method``); ``sp_size=None`` means
     plain DDP (``ddp_unshared``: with :class:`Unshared`; ``distributed_sampler=False``: every
@@ -376,7 +377,8 @@ def run_fit(
         callbacks = (*callbacks, Unshared()) if ddp_unshared else callbacks
     else:
         strategy = AutoSPStrategy(
-            sp_size=sp_size, compile_backend=backend, start_method=start_method, sac=sac, fsdp=fsdp, chunked_loss=chunked_loss, pretrained=pretrained
+            sp_size=sp_size, compile_backend=backend, start_method=start_method, sac=sac, fsdp=fsdp, chunked_loss=chunked_loss,
+            pretrained=pretrained, tiled_attention=tiled_attention,
         )
     trainer = L.Trainer(
         accelerator="cpu",

@@ -71,6 +71,9 @@ def test_litgpt_matches_one_device(tmp_path, family, recipe):
     graphs = run.ranks[0]["graphs"]["training_step"]
     assert sum(g.attention for g in graphs) == 2
     assert sum(g.manual_attention for g in graphs) == (2 if family == "gemma2" else 0)
+    # Gemma-2's soft-capped attention adds a mask it builds as ones(S, S).triu(1).masked_fill_(..): tiled
+    assert sum(g.tiled_attention for g in graphs) == (2 if family == "gemma2" else 0)
+    assert not [m for g in graphs for m in g.dense_masks]
     assert {g.seq_offset for g in graphs if g.attention} == {-1 if recipe == "pretrain" else 0}
 
 

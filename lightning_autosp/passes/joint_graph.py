@@ -18,7 +18,7 @@ from lightning_autosp.passes import accounting as memory
 
 __all__ = [
     "forward_nodes", "gathered_input", "parameter_gathers", "repeat_of_exchange", "op_name", "recomputes",
-    "is_attention", "is_collective", "is_fused_loss", "is_random", "has_tensor_output", "WAIT",
+    "is_attention", "is_collective", "is_fused_loss", "is_random", "has_tensor_output", "WAIT", "score_program_leaves",
 ]
 
 
@@ -130,6 +130,16 @@ def is_fused_loss(node: fx.Node) -> bool:
 def is_attention(node: fx.Node) -> bool:
     name = op_name(node)
     return name is not None and memory.op_kind(name) == "attention"
+
+
+_TILED_ATTENTION = "autosp_attn::tiled_attention"
+
+
+def score_program_leaves(node: fx.Node) -> list[fx.Node]:
+    """The leaves a tiled attention evaluates its score program on (its list argument), else ``[]``."""
+    if op_name(node) != _TILED_ATTENTION or len(node.args) < 4 or not isinstance(node.args[3], (list, tuple)):
+        return []
+    return [a for a in node.args[3] if isinstance(a, fx.Node)]
 
 
 def is_random(node: fx.Node) -> bool:

@@ -43,6 +43,15 @@ class SPPassStats:
     native_gqa: int = 0
     #: hand-written attention (``softmax(q @ k^T ..) @ v``) rewritten like SDPA (:mod:`.sp_rules.manual_attention`)
     manual_attention: int = 0
+    #: attention calls (of either form) whose mask or score terms run per tile in
+    #: :func:`~lightning_autosp.tiled_attention.tiled_attention`: no ``S x S`` tensor exists for them
+    tiled_attention: int = 0
+    #: attention calls that keep a dense ``S x S`` mask or scores on every rank, with the mask's
+    #: size at the compiled length and why it could not be tiled (reported as a warning)
+    dense_masks: list[str] = field(default_factory=list)
+    #: the graph inputs (placeholder names) the attention masks of the graph read, tiled or dense:
+    #: e.g. ``L_batch_position_ids_`` when packed documents come from restarting position ids
+    mask_inputs: set[str] = field(default_factory=set)
 
     @property
     def attention(self) -> int:
@@ -61,6 +70,7 @@ class SPRewrite:
     def __init__(
         self, gm: fx.GraphModule, sp_size: int, sp_rank: int, group_name: str, seq: sympy.Symbol, loss_chunk: Optional[int] = 0,
         kv_before_repeat: bool = True, native_gqa: Optional[bool] = None, seq_offset: int = 0,
+        attention_tile: Optional[int] = 0,
     ):
         self.gm = gm
         #: rows per chunk of the fused vocabulary projection and loss (0: automatic, None: off)
@@ -70,6 +80,9 @@ class SPRewrite:
         #: KV heads exchanged before the model's repeat reach attention unrepeated (``enable_gqa``)
         #: instead of repeated after the exchange; ``None``: where verified (CPU tensors)
         self.native_gqa = native_gqa
+        #: rows/columns per tile of the tiled attention for masks built from positions (0: automatic,
+        #: None: keep masks dense)
+        self.attention_tile = attention_tile
         self.sp_size = sp_size
         self.sp_rank = sp_rank
         self.group_name = group_name
@@ -116,6 +129,30 @@ class SPRewrite:
     def seq_dims(self, node: fx.Node) -> list[int]:
         """The dims of ``node`` whose size is the global sequence length."""
         return [d for d, e in enumerate(self.shape(node)) if e == self.seq]
+
+    def mutations_of(self, node: fx.Node) -> list[fx.Node]:
+        """The old graph's in-place ops that mutate ``node``'s storage (through any alias), in order."""
+        if not hasattr(self, "_mutators"):
+            from lightning_autosp.passes.inplace import mutated_input  # (inplace imports this module)
+
+            self._mutators: dict[Any, list[fx.Node]] = {}
+            for n in self.gm.graph.nodes:
+                target = mutated_input(self, n) if n.op in ("call_function", "call_method") else None
+                if target is not None:
+                    self._mutators.setdefault(_storage(self.val(target)), []).append(n)
+        return list(self._mutators.get(_storage(self.val(node)), ()))
+
+    def record_mask_inputs(self, nodes: list[fx.Node]) -> None:
+        """Note the graph inputs that ``nodes`` (a mask, or a score program's leaves) are computed from."""
+        todo, seen = list(nodes), set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder":
+                self.stats.mask_inputs.add(n.name)
+            todo.extend(n.all_input_nodes)
 
     def aliases(self, node: fx.Node) -> list[fx.Node]:
         """The old nodes visited so far whose tensors share ``node``'s storage (views, in-place

@@ -58,6 +58,7 @@ from lightning_autosp.passes.joint_graph import (
     is_fused_loss,
     is_random,
     op_name,
+    score_program_leaves,
     parameter_gathers,
     recomputes,
     repeat_of_exchange,
@@ -126,7 +127,9 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
     pads before them, their waits and views are ``MUST_RECOMPUTE``; every other forward collective and the fused vocabulary
     loss, with their ``getitem`` outputs, and every attention op, its ``getitem`` outputs and
     its tensor inputs are ``MUST_SAVE``, except an input that is a copy of exchanged KV heads
-    (:func:`repeat_of_exchange`), whose copy and views are ``PREFER_RECOMPUTE``; every other forward op whose kind is in
+    (:func:`repeat_of_exchange`), whose copy and views are ``PREFER_RECOMPUTE``, and the leaves of a
+    tiled attention's score program (positions, document ids, padding: :func:`score_program_leaves`),
+    which with the untagged forward ops they come from are ``PREFER_RECOMPUTE``; every other forward op whose kind is in
     ``config.recompute`` (random ops excepted) is ``PREFER_RECOMPUTE``, with the ``getitem``
     outputs of a multi-output op tagged like the op; nothing else is tagged.
     """
@@ -149,7 +152,12 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
             for u in node.users:
                 if u.target is operator.getitem:
                     save(u)
+            leaves = set(score_program_leaves(node))
+            for n in _recomputable_ancestors(leaves, fwd):  # the score program's index arithmetic: redone from the inputs
+                n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
             for a in node.all_input_nodes:
+                if a in leaves:
+                    continue
                 if not isinstance(a.meta.get("val"), torch.Tensor):
                     continue
                 repeat = repeat_of_exchange(a)
@@ -167,6 +175,23 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
             for n in (node, *(u for u in node.users if u.target is operator.getitem)):
                 n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
     return joint
+
+
+def _recomputable_ancestors(leaves: set[fx.Node], fwd: set[fx.Node]) -> list[fx.Node]:
+    """The leaves of a tiled attention's score program and the forward ops they are computed from
+    (positions, document ids, padding masks: ``O(S)`` index arithmetic on the step's inputs), up to
+    the graph inputs - but none that is a collective, random, or already tagged."""
+    out, todo, seen = [], list(leaves), set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function" or n not in fwd:
+            continue
+        seen.add(n)
+        if is_collective(n) or is_random(n) or is_attention(n) or "recompute" in n.meta:
+            continue
+        out.append(n)
+        todo.extend(n.all_input_nodes)
+    return out
 
 
 def _recomputed_ops(fw: fx.GraphModule, bw: fx.GraphModule) -> dict[str, int]:

@@ -47,7 +47,7 @@ from lightning_autosp.passes.inplace import mutated_input, visit_inplace
 from lightning_autosp.passes.placement import is_tensor, shape_exprs
 from lightning_autosp.passes.rewrite import SPPassStats, SPRewrite
 from lightning_autosp.passes.sp_rules import SDPA, SEQ_GATHER, SEQ_SCATTER, lookup
-from lightning_autosp.passes.sp_rules.attention import exchanged_source
+from lightning_autosp.passes.sp_rules.attention import TILED_ATTENTION, exchanged_source
 from lightning_autosp.passes.sp_rules.manual_attention import expected_all_to_alls, find_manual_attention, rewrite_manual_attention
 
 __all__ = ["sequence_parallel_pass", "SPPassStats", "SPRewrite", "find_sequence_symbol", "attention_offset", "SDPA", "SEQ_GATHER", "SEQ_SCATTER"]
@@ -234,6 +234,13 @@ def _check_postcondition(graph: fx.Graph, stats: SPPassStats, manual_all_to_alls
     for n in graph.find_nodes(op="call_function", target=SDPA):
         if not all(_exchanged_input(a) for a in n.args[:3]) or not all(_exchanged_output(u) for u in n.users):
             raise AutoSPError(f"internal: attention {n.name} was not fully rewritten for sequence parallelism")
+    tiled = graph.find_nodes(op="call_function", target=TILED_ATTENTION)
+    for n in tiled:  # its output reaches the exchange through getitem 0
+        outputs = [v for u in n.users for v in u.users]
+        if not all(_exchanged_input(a) for a in n.args[:3]) or not outputs or not all(_exchanged_output(v) for v in outputs):
+            raise AutoSPError(f"internal: tiled attention {n.name} was not fully rewritten for sequence parallelism")
+    if len(tiled) != stats.tiled_attention:
+        raise AutoSPError(f"internal: {len(tiled)} tiled attention ops for {stats.tiled_attention} tiled attention calls")
     if stats.all_to_all != 4 * stats.sdpa + manual_all_to_alls:
         raise AutoSPError(
             f"internal: {stats.all_to_all} all-to-alls for {stats.sdpa} attention calls (4 each) and "
@@ -268,6 +275,7 @@ def sequence_parallel_pass(
     loss_chunk: Optional[int] = 0,
     kv_before_repeat: bool = True,
     native_gqa: Optional[bool] = None,
+    attention_tile: Optional[int] = 0,
 ) -> fx.GraphModule:
     """Rewrite a Dynamo graph for Ulysses sequence parallelism (see the module docstring).
 
@@ -285,6 +293,10 @@ def sequence_parallel_pass(
     copy, in forward or backward. ``None`` (default) does so where that attention kernel was
     verified here - CPU tensors (the CPU flash kernel computes grouped heads itself) - and
     repeats elsewhere (on CUDA some attention backends would fall back to the math kernel).
+    ``attention_tile``: attention with a mask built from positions (SDPA's ``attn_mask``, the
+    mask or score terms of hand-written attention) runs in
+    :func:`~lightning_autosp.tiled_attention.tiled_attention` with tiles of this many rows and
+    columns (``0``: automatic; ``None``: masks stay dense ``S x S`` tensors, as before).
     """
     if sp_size < 1 or not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} must lie in [0, sp_size={sp_size})")
@@ -303,7 +315,10 @@ def sequence_parallel_pass(
         gm.meta["autosp"] = SPPassStats()
         return gm
     offset = attention_offset(gm, seq)
-    rw = SPRewrite(gm, sp_size, sp_rank, group_name, seq, loss_chunk, kv_before_repeat, native_gqa, seq_offset=offset)
+    rw = SPRewrite(
+        gm, sp_size, sp_rank, group_name, seq, loss_chunk, kv_before_repeat, native_gqa, seq_offset=offset,
+        attention_tile=attention_tile,
+    )
     for attn in manual:
         rw.manual.update(dict.fromkeys(attn.nodes, attn))
     graph = _run(rw)
@@ -313,4 +328,6 @@ def sequence_parallel_pass(
     new_gm.meta["autosp"] = rw.stats
     if rw.stats.fallbacks:
         log.info("AutoSP: %d op(s) ran replicated (inputs all-gathered): %s", len(rw.stats.fallbacks), "; ".join(rw.stats.fallbacks))
+    if rw.stats.dense_masks:
+        log.info("AutoSP: %d attention call(s) keep a dense mask: %s", len(rw.stats.dense_masks), "; ".join(rw.stats.dense_masks))
     return new_gm

@@ -5,7 +5,9 @@ that a Dynamo-based compiler pass can capture it and rewrite it for sequence
 parallelism:
 
 * attention only through ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``
-  with ``q``/``k``/``v`` in ``[B, H, S, D]`` layout;
+  with ``q``/``k``/``v`` in ``[B, H, S, D]`` layout - or, for packed documents
+  (``document_ids``) or a ``sliding_window``, with a boolean mask built from positions, as
+  such models build it;
 * positions come from ``torch.arange(S)`` of the *input's* sequence length (or
   from an explicit ``position_ids`` argument), and rotary embeddings are built
   on the fly from real ``cos``/``sin`` tensors (no complex numbers);
@@ -47,6 +49,8 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    #: attend to at most this many positions (the query's own included); ``None``: every earlier one
+    sliding_window: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.vocab_size <= 0:
@@ -59,6 +63,8 @@ class LlamaConfig:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of positions or None, got {self.sliding_window}")
 
     @property
     def head_dim(self) -> int:
@@ -126,7 +132,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim)  # [B, S, H, D]
         k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)  # [B, S, H_kv, D]
@@ -138,7 +144,10 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin)
         k = repeat_kv(k, self.n_rep)  # [B, H, S, D]
         v = repeat_kv(v, self.n_rep)  # [B, H, S, D]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, S, D]
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, S, D]
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, S, D]
         out = out.transpose(1, 2)  # [B, S, H, D]
         out = out.reshape(B, S, self.n_heads * self.head_dim)  # [B, S, H * D]
         return self.wo(out)
@@ -165,15 +174,17 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.ffn_hidden)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Llama(nn.Module):
     """Llama-style causal LM: RMSNorm, SwiGLU, RoPE, GQA and an untied output head.
 
-    ``forward(input_ids [B, S], position_ids [B, S] | None) -> logits [B, S, V]``.
+    ``forward(input_ids [B, S], position_ids [B, S] | None, document_ids [B, S] | None) -> logits [B, S, V]``:
+    with ``document_ids`` (packed documents: tokens attend within their own document) or a
+    ``config.sliding_window``, attention reads a causal boolean mask built from positions.
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -220,11 +231,27 @@ class Llama(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [B or 1, 1, S, D]
         return torch.cos(emb).to(dtype), torch.sin(emb).to(dtype)
 
-    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+    def attention_mask(self, seq_len: int, device: torch.device, document_ids: Optional[Tensor] = None) -> Optional[Tensor]:
+        """``None`` (plain causal), or what each query may attend to: earlier positions, within
+        ``sliding_window`` and within its own document (``[B or 1, 1, S, S]``, bool)."""
+        window = self.config.sliding_window
+        if document_ids is None and window is None:
+            return None
+        pos = torch.arange(seq_len, device=device)
+        keep = pos[:, None] >= pos[None, :]  # [S, S]
+        if window is not None:
+            keep = keep & (pos[:, None] - pos[None, :] < window)
+        keep = keep[None, None]  # [1, 1, S, S]
+        if document_ids is not None:
+            keep = keep & (document_ids[:, None, :, None] == document_ids[:, None, None, :])  # [B, 1, S, S]
+        return keep
+
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None, document_ids: Optional[Tensor] = None) -> Tensor:
         _, S = input_ids.shape
         h = self.tok_embeddings(input_ids)  # [B, S, dim]
         cos, sin = self.rotary_cos_sin(S, input_ids.device, h.dtype, position_ids)
+        mask = self.attention_mask(S, input_ids.device, document_ids)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         h = self.norm(h)
         return self.output(h)  # [B, S, V]

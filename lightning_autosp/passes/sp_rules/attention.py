@@ -9,12 +9,20 @@ read. KV heads that the model repeats itself before attention (``repeat_kv``, as
 Llama) and that divide by ``sp_size`` are exchanged before the repeat and repeated after it:
 rank ``j`` needs query heads ``j*H/P ..``, which read exactly KV heads ``j*Hk/P ..``, so the
 all-to-all of k and v (and of their gradients) carries ``Hk`` heads instead of ``H``.
+
+An ``attn_mask`` the model builds from positions (causal, padding, packed documents, sliding
+windows, ALiBi; :mod:`.score_program`) is never materialised: attention then runs in
+:func:`~lightning_autosp.tiled_attention.tiled_attention`, which evaluates the mask per tile for
+the rank's heads and skips the tiles it masks whole. A mask that cannot be evaluated that way
+(a batch input, an op the tiles cannot run) stays a dense ``S x S`` tensor on every rank, as
+SDPA's argument, and is reported in :attr:`SPPassStats.dense_masks`.
 """
 
 from __future__ import annotations
 
+import math
 import operator
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import sympy
 import torch
@@ -23,6 +31,8 @@ import torch.nn.functional as F
 
 from lightning_autosp.errors import AutoSPError, user_source
 from lightning_autosp.passes.sp_rules.registry import OpCall, RuleResult, calls, op, sp_rule
+from lightning_autosp.passes.sp_rules.score_program import ExtractedProgram, NotAFunction, ProgramBuilder, leaf_values, sdpa_logits
+from lightning_autosp.tiled_attention import DEFAULT_TILE
 
 if TYPE_CHECKING:
     from lightning_autosp.passes.rewrite import SPRewrite
@@ -30,6 +40,7 @@ if TYPE_CHECKING:
 SDPA = F.scaled_dot_product_attention
 SEQ_GATHER = torch.ops.autosp.seq_gather.default
 SEQ_SCATTER = torch.ops.autosp.seq_scatter.default
+TILED_ATTENTION = torch.ops.autosp_attn.tiled_attention.default
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -177,6 +188,53 @@ def _to_sequence(rw: "SPRewrite", x: fx.Node, head_dim: int, seq_dim: int) -> fx
     return g.call_function(torch.flatten, (out, head_dim, head_dim + 1))  # [.., h, S_r, D]
 
 
+def hinted_bytes(value: Any) -> int:
+    """Bytes of a fake tensor at the sizes of the batch it was traced with."""
+    numel = 1
+    for size in value.shape:
+        numel *= int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else int(size)
+    return numel * value.element_size()
+
+
+def report_dense(rw: "SPRewrite", node: fx.Node, what: str, value: Any, why: str, per_rank: int = 1) -> None:
+    """Record that attention ``node`` keeps ``what`` (a fake tensor ``value``, of which each rank
+    holds ``1/per_rank``) dense on every rank."""
+    mib = hinted_bytes(value) / per_rank / 2**20
+    rw.stats.dense_masks.append(
+        f"{node.name}: {what} {list(value.shape)} stays dense ({mib:.1f} MiB per rank at the compiled length), "
+        f"because {why}"
+    )
+
+
+def emit_tiled_attention(rw: "SPRewrite", q: Any, k: Any, v: Any, program: ExtractedProgram, heads: int) -> fx.Node:
+    """``tiled_attention(q, k, v, leaves, program)`` on this rank's heads (q ``[B, H/P, S, D]``; k, v
+    ``[B, Hk', S, D]`` with ``Hk'`` dividing ``H/P``): its output ``[B, H/P, S, Dv]``."""
+    leaves = leaf_values(rw, program, heads)
+    rw.record_mask_inputs(list(program.leaves))
+    tile = rw.attention_tile or DEFAULT_TILE
+    call = rw.graph.call_function(TILED_ATTENTION, (q, k, v, leaves, program.text, tile))
+    rw.stats.tiled_attention += 1
+    return rw.graph.call_function(operator.getitem, (call, 0))
+
+
+def _mask_program(rw: "SPRewrite", node: fx.Node, bound: dict, heads: int) -> Optional[ExtractedProgram]:
+    """SDPA's logits with its ``attn_mask`` as a score program, or ``None`` (dense, reported)."""
+    mask, q = bound.get("attn_mask"), bound["query"]
+    if not isinstance(mask, fx.Node) or rw.attention_tile is None:
+        return None
+    scale = bound.get("scale")
+    if scale is None:
+        scale = 1.0 / math.sqrt(int(rw.shape(q)[-1]))
+    try:
+        if not isinstance(scale, (int, float)):
+            raise NotAFunction(node, "its scale is not a number")
+        builder = ProgramBuilder(rw, heads, node)
+        return builder.finish(sdpa_logits(builder, mask, float(scale)), rw.val(q).dtype)
+    except NotAFunction as exc:
+        report_dense(rw, node, f"attn_mask {mask.name}", rw.val(mask), f"{exc.node.name} {exc.why}")
+        return None
+
+
 @sp_rule(op("scaled_dot_product_attention", SDPA, method=False), source=True)
 def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     bound = dict(zip(_SDPA_ARGS, node.args))
@@ -217,7 +275,9 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
             if found is not None and (kv_heads // found[1]) % rw.sp_size == 0:
                 unrepeated[n] = found
     reps = {n_rep for _, n_rep in unrepeated.values()}
-    native = len(unrepeated) == 2 and len(reps) == 1 and _native_gqa(rw, q)  # k and v both, alike
+    program = _mask_program(rw, node, bound, heads)
+    # k and v both, alike: attention reads them unrepeated (the tiled kernel groups heads itself)
+    native = len(unrepeated) == 2 and len(reps) == 1 and (program is not None or _native_gqa(rw, q))
     qkv = []
     for n in (q, k, v):
         n_heads = heads if n is q else kv_heads
@@ -235,13 +295,20 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
         qkv.append(exchanged)
         rw.stats.all_to_all += 1
     kwargs = {key: bound[key] for key in _SDPA_ARGS[3:] if key in bound}
+    if native:  # rank j's query heads j*H/P.. read KV heads j*Hk/P.. (head i -> i // n_rep), as after the repeat
+        rw.stats.native_gqa += 1
+    rw.stats.all_to_all += 1
+    rw.stats.sdpa += 1
+    if program is not None:  # [B, H/P, S, D] -> [B, H/P, S, D], the mask evaluated per tile
+        out = emit_tiled_attention(rw, *qkv, program, heads)
+        return _to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
     if kv_repeat > 1 and kv_heads * kv_repeat == heads:
         kwargs["enable_gqa"] = False
-    if native:  # rank j's query heads j*H/P.. read KV heads j*Hk/P.. (head i -> i // n_rep), as after the repeat
+    if native:
         kwargs["enable_gqa"] = True
-        rw.stats.native_gqa += 1
     mask = kwargs.get("attn_mask")
     if isinstance(mask, fx.Node):
+        rw.record_mask_inputs([mask])
         full_mask = rw.redistribute.to_replicate(mask)
         mask_shape = rw.shape(mask)
         mask_head_dim = head_dim - (ndim - len(mask_shape))  # masks broadcast from the right: [B, H, S, S], [H, S, S]
@@ -254,10 +321,9 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
             # [.., H, S, S] -> [.., H/P, S, S]
             full_mask = rw.graph.call_function(torch.narrow, (full_mask, mask_head_dim, rw.sp_rank * per_rank, per_rank))
         kwargs["attn_mask"] = full_mask
+        if rw.attention_tile is None:
+            report_dense(rw, node, f"attn_mask {mask.name}", rw.val(mask), "of AutoSPStrategy(tiled_attention=False)")
     kwargs = {key: (rw.new_value[a] if isinstance(a, fx.Node) and key != "attn_mask" else a) for key, a in kwargs.items()}
     out = rw.graph.call_function(SDPA, tuple(qkv), kwargs)  # [B, H/P, S, D]
     # [B, H/P, S, D] -> [B, H, S/P, D]
-    back = _to_sequence(rw, out, head_dim, seq_dim)
-    rw.stats.all_to_all += 1
-    rw.stats.sdpa += 1
-    return back, rw.base_shard(seq_dim)
+    return _to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)

@@ -18,6 +18,12 @@ step. :func:`rewrite_manual_attention` exchanges q, k and v like SDPA's inputs (
 ``H/P`` heads - with masks that have a head dim narrowed to those heads, and exchanges the output
 back. A chain with anything else between the two matmuls is not matched: the first matmul then
 runs replicated (its inputs all-gathered; correct, slower, reported as a fallback).
+
+A chain whose steps before the softmax are a score program (:mod:`.score_program`: scaling,
+soft-capping, masks built from positions) and whose steps after it only convert dtypes (or drop
+out with ``p=0``) does not even keep the ``S x S`` scores of the rank's heads: it runs in
+:func:`~lightning_autosp.tiled_attention.tiled_attention`, one tile at a time. Other chains keep
+them (reported in :attr:`SPPassStats.dense_masks`).
 """
 
 from __future__ import annotations
@@ -36,10 +42,13 @@ from lightning_autosp.passes.sp_rules.attention import (
     _sequence_local,
     _to_heads,
     _to_sequence,
+    emit_tiled_attention,
     repeated_heads,
+    report_dense,
     valid_sp_sizes,
 )
 from lightning_autosp.passes.sp_rules.registry import RuleResult, lookup
+from lightning_autosp.passes.sp_rules.score_program import ExtractedProgram, NotAFunction, ProgramBuilder
 
 if TYPE_CHECKING:
     from lightning_autosp.passes.rewrite import SPRewrite
@@ -186,6 +195,7 @@ def _side(rw: "SPRewrite", a: Any, scores: list[sympy.Expr], heads: int) -> Any:
     shape = _shape(a)
     if shape is None:
         return rw.new(a)
+    rw.record_mask_inputs([a])
     full = rw.redistribute.to_replicate(a)
     head_dim = len(shape) - 3
     if head_dim >= 0 and shape[head_dim] != 1:
@@ -210,18 +220,31 @@ def rewrite_manual_attention(rw: "SPRewrite", attn: ManualAttention) -> RuleResu
             f"sp_size={rw.sp_size}. Ulysses splits the heads across the SP group; valid sp_size values for this "
             f"model: {valid_sp_sizes(heads)}."
         )
-    kv = {}
+    program = _chain_program(rw, attn, heads)
+    kv, kv_heads = {}, {}
     for n in (attn.k, attn.v):
         found = _exchanged_before_repeat(rw, n, head_dim)  # the model's repeat of fewer KV heads: exchange them before it
         if found is not None:
             x, n_rep = found
             rw.stats.all_to_all += 1
             local = _to_heads(rw, _sequence_local(rw, attn.last, x, seq_dim), heads // n_rep, head_dim, seq_dim)
-            kv[n] = _repeat_heads(rw, local, n_rep, head_dim)
+            kv[n], kv_heads[n] = local, heads // n_rep // rw.sp_size
+            if program is None:  # the tiled kernel reads them unrepeated
+                kv[n], kv_heads[n] = _repeat_heads(rw, local, n_rep, head_dim), heads // rw.sp_size
             rw.stats.kv_exchanged_unrepeated += 1
         else:
             kv[n] = _exchanged(rw, attn, n, heads, head_dim, seq_dim)
+            kv_heads[n] = 1 if int(rw.shape(n)[head_dim]) == 1 else heads // rw.sp_size
     q = _exchanged(rw, attn, attn.q, heads, head_dim, seq_dim)
+    if program is not None:  # k and v must hold the same heads: repeat the one with fewer
+        most = max(kv_heads.values())
+        for n in (attn.k, attn.v):
+            if kv_heads[n] < most:
+                kv[n] = _repeat_heads(rw, kv[n], most // kv_heads[n], head_dim)
+        out = emit_tiled_attention(rw, q, kv[attn.k], kv[attn.v], program, heads)  # [B, H/P, S, Dv]
+        rw.stats.all_to_all += 1
+        rw.stats.manual_attention += 1
+        return _to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
     g = rw.graph
     value = g.call_function(torch.matmul, (q, g.call_function(torch.transpose, (kv[attn.k], -2, -1))))  # [B, H/P, S, S]
     prev = attn.first
@@ -234,6 +257,33 @@ def rewrite_manual_attention(rw: "SPRewrite", attn: ManualAttention) -> RuleResu
     rw.stats.all_to_all += 1
     rw.stats.manual_attention += 1
     return _to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
+
+
+def _chain_program(rw: "SPRewrite", attn: ManualAttention, heads: int) -> Optional[ExtractedProgram]:
+    """The chain's logits before its softmax as a score program of ``s = q @ k^T``, when the steps
+    after the softmax only convert dtypes (or drop out with ``p=0``); else ``None`` (the chain keeps
+    the scores of the rank's heads, reported)."""
+    if rw.attention_tile is None:
+        return None
+    names = [_name(step) for step in attn.steps]
+    why = None
+    if "softmax" not in names:
+        why = "it has no softmax (only log_softmax is tiled as its scores)" if "log_softmax" in names else "it has no softmax"
+    else:
+        i = names.index("softmax")
+        after = [n for n in names[i + 1 :] if n not in _CONVERT and n != "dropout"]
+        if after:
+            why = f"it applies {after} after the softmax"
+    if why is None:
+        builder = ProgramBuilder(rw, heads, attn.last)
+        builder.seeds[attn.first] = {"s": 0}
+        pre = attn.steps[i - 1] if i > 0 else attn.first
+        try:
+            return builder.finish(builder.tensor(pre), rw.val(attn.last).dtype)
+        except NotAFunction as exc:
+            why = f"{exc.node.name} {exc.why}"
+    report_dense(rw, attn.first, "the scores", rw.val(attn.first), why, per_rank=rw.sp_size)
+    return None
 
 
 def _exchanged_before_repeat(rw: "SPRewrite", n: fx.Node, head_dim: int) -> Optional[tuple[fx.Node, int]]:

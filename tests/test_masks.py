@@ -1,0 +1,170 @@
+"""Masks built from positions, tiled, end to end against one device: every family in one step (the
+Hugging Face mask builders with packed documents, sliding windows, soft-capping and padding on
+either side; hand-written document ids, ALiBi and windows), and documents that never leak."""
+
+import pytest
+import torch
+import torch.nn as nn
+from mask_models import (
+    DocumentLM,
+    PackedData,
+    PaddedBothSides,
+    document_loss,
+    hf_factory,
+    packed_call,
+    padded_call,
+    plain_call,
+)
+from sp_harness import FnModule, check_against_references, run_fit
+
+#: (name, model factory, loss) - each reads the fields of the batch it needs
+FAMILIES = [
+    ("llama_use_cache_false", hf_factory("llama"), plain_call),  # plain causal through Hugging Face's mask builder
+    ("llama_packed_sdpa", hf_factory("llama", seed=8), packed_call),
+    ("llama_packed_eager", hf_factory("llama", "eager", seed=9), packed_call),
+    ("mistral_window_in_documents", hf_factory("mistral", sliding_window=6, seed=10), packed_call),
+    ("gemma2_sliding_global_softcap", hf_factory("gemma2", "eager", layers=2, sliding_window=6, seed=11), plain_call),
+    ("qwen2_padding", hf_factory("qwen2", seed=12), padded_call),
+    ("documents_alibi_sdpa", lambda: DocumentLM(layers=1, seed=13), document_loss),
+    ("documents_window_manual", lambda: DocumentLM(layers=1, attention="manual", window=5, alibi=False, seed=14), document_loss),
+]
+
+
+class Zoo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.models = nn.ModuleDict({name: factory() for name, factory, _ in FAMILIES})
+
+
+def zoo_loss(zoo, batch):
+    return sum(loss(zoo.models[name], batch) for name, _, loss in FAMILIES)
+
+
+class ZooData(PackedData):
+    """Packed documents and, in the same rows, padding on the right, the left or both sides."""
+
+    def __init__(self, n, seq_len):
+        super().__init__(n, seq_len)
+        self.padded = PaddedBothSides(n, seq_len)
+
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        padded = self.padded[i]
+        return {**item, "attention_mask": padded["attention_mask"], "pad_labels": padded["labels"]}
+
+
+def padded_zoo_call(model, batch):
+    return padded_call(model, {**batch, "labels": batch["pad_labels"]})
+
+
+FAMILIES[5] = ("qwen2_padding", FAMILIES[5][1], padded_zoo_call)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices,sp_size", [(2, 2), (4, 2)], ids=["sp2", "dp2xsp2"])
+def test_every_mask_family_matches_one_device(tmp_path, devices, sp_size):
+    """31 tokens (split 16 + 15) in tiles of 8: every attention of every family runs tiled - no
+    dense mask, nothing replicated - and loss and gradients equal one device."""
+    run = run_fit(
+        tmp_path, FnModule(Zoo, zoo_loss, log_loss=False), ZooData(4 * devices, 31), devices=devices, sp_size=sp_size,
+        tiled_attention=8,
+    )
+    loss_err, grad_err, naive = check_against_references(run, sp_size, Zoo, zoo_loss)
+    print(f"mask zoo {devices} devices sp{sp_size}: loss {loss_err:.2e} grad {grad_err:.2e} (naive: grad {naive:.2e})")
+    (graph,) = run.ranks[0]["graphs"]["training_step"]
+    assert graph.dense_masks == [] and graph.fallbacks == []
+    assert graph.tiled_attention == graph.attention == 9  # seven one-layer models and Gemma-2's two layers
+
+
+# ------------------------------------------------------------------ documents never leak
+DOCS = [(0, 10), (10, 21), (21, 31)]  # three documents in a row of 31 tokens; ranks hold 0..15 and 16..30
+
+
+class Probe(nn.Module):
+    """A Hugging Face Llama whose inputs get a learned offset per position: its gradient is the
+    gradient of the loss with respect to each position's embedding."""
+
+    def __init__(self, use_cache=False):
+        super().__init__()
+        self.lm = hf_factory("llama", layers=2)()
+        self.offset = nn.Parameter(torch.zeros(31, 32))
+        self.use_cache = use_cache
+
+    def forward(self, ids, pos, labels, rows=None):
+        offset = self.offset[: ids.shape[1]] if rows is None else self.offset[rows]
+        embeds = self.lm.get_input_embeddings()(ids) + offset
+        kwargs = {} if self.use_cache else {"use_cache": False}
+        return self.lm(inputs_embeds=embeds, position_ids=pos, labels=labels, **kwargs).loss
+
+
+class OneRow(torch.utils.data.Dataset):
+    """One packed row of three documents; only the middle one has targets."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(0, 64, (31,), generator=g)
+        self.pos = torch.cat([torch.arange(b - a) for a, b in DOCS])
+        self.labels = torch.full((31,), -100)
+        a, b = DOCS[1]
+        self.labels[a + 1 : b] = self.ids[a + 1 : b]  # a document's first token is no target (as Hugging Face's flattening collator sets it)
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids, "position_ids": self.pos, "labels": self.labels}
+
+
+def probe_loss(model, batch):
+    return model(batch["input_ids"], batch["position_ids"], batch["labels"])
+
+
+@pytest.mark.slow
+def test_documents_never_leak(tmp_path):
+    """Under AutoSP (sp=2, the middle document split over both ranks): the gradient of the middle
+    document's loss with respect to the other documents' embeddings is exactly zero, and its loss
+    and every gradient equal training that document alone. Negative control: the same model called
+    with its cache (Hugging Face then skips its packed-document mask) leaks."""
+    run = run_fit(tmp_path, FnModule(Probe, probe_loss, log_loss=False), OneRow(), devices=2, sp_size=2, steps=1, batch_size=1,
+                  tiled_attention=8)
+    grads = run.ranks[0]["grads"][0]
+    offset = grads["model.offset"]
+    (a, b) = DOCS[1]
+    assert offset[:a].abs().max() == 0 and offset[b:].abs().max() == 0
+    assert offset[a : b - 1].abs().sum(-1).min() > 0  # the last token has no target and no later reader
+    # the middle document alone, on one device: same embeddings' offsets, positions from 0
+    alone = Probe()
+    data = OneRow()
+    loss = alone(data.ids[None, a:b], data.pos[None, a:b], data.labels[None, a:b], rows=slice(a, b))
+    loss.backward()
+    assert abs(run.ranks[0]["losses"][0] - loss.item()) <= 1e-5 * abs(loss.item())
+    for name, p in alone.named_parameters():
+        got = grads[f"model.{name}"]
+        want = p.grad if name != "offset" else torch.zeros_like(got).index_copy(0, torch.arange(a, b), p.grad[a:b])
+        assert (got - want).norm() <= 1e-4 * want.norm(), name
+
+    leaky = run_fit(tmp_path, FnModule(lambda: Probe(use_cache=True), probe_loss, log_loss=False), OneRow(), devices=2,
+                    sp_size=2, steps=1, batch_size=1)
+    assert leaky.ranks[0]["grads"][0]["model.offset"][:a].abs().max() > 1e-4  # the first document leaks into the middle one
+
+
+@pytest.mark.slow
+def test_tiled_masks_with_inductor(tmp_path):
+    """The default configuration users run (inductor, SAC): packed documents through Hugging Face's
+    mask builder and a hand-written sliding window, tiled, equal one device."""
+    names = ("llama_packed_sdpa", "documents_window_manual")
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.models = nn.ModuleDict({n: f() for n, f, _ in FAMILIES if n in names})
+
+    def pair_loss(pair, batch):
+        return sum(loss(pair.models[n], batch) for n, _, loss in FAMILIES if n in names)
+
+    run = run_fit(tmp_path, FnModule(Pair, pair_loss, log_loss=False), ZooData(4, 29), devices=2, sp_size=2, backend="inductor",
+                  tiled_attention=8)
+    loss_err, grad_err, naive = check_against_references(run, 2, Pair, pair_loss)
+    print(f"tiled masks, inductor sp2: loss {loss_err:.2e} grad {grad_err:.2e} (naive: grad {naive:.2e})")
+    (graph,) = run.ranks[0]["graphs"]["training_step"]
+    assert graph.tiled_attention == 2 and not graph.dense_masks
