@@ -41,6 +41,12 @@ Variants (``VARIANTS``):
 AutoSP variants (``sp``, ``sp_sac``) compute the loss with the fused, chunked vocabulary
 projection (``chunked_loss=True``, the default); the walk adds its working memory (one
 chunk's logits and their gradient, the fp32 weight-gradient accumulator) at that op.
+
+Masks (``MASKS``, :func:`trace`'s ``mask``): ``causal`` (``is_causal=True``, the default),
+``documents`` (packed documents: the model compares document ids) and ``window`` (a sliding
+window), the last two with the mask built in the model from positions, as a ``[1, 1, S, S]``
+tensor (``tiled=False``: what ``AutoSPStrategy(tiled_attention=False)`` keeps) or evaluated per
+tile (the default); the walk adds the tiled kernel's working memory at its ops.
 """
 
 from __future__ import annotations
@@ -59,13 +65,13 @@ from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch.utils._pytree import tree_leaves
 
-from lightning_autosp import fused_loss
+from lightning_autosp import fused_loss, tiled_attention
 from lightning_autosp.passes.accounting import is_alias
 from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes import sequence_parallel_pass
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner
 
-__all__ = ["PRESETS", "VARIANTS", "Trace", "trace", "Walk", "walk", "LayerModel", "layer_model", "param_counts"]
+__all__ = ["PRESETS", "VARIANTS", "MASKS", "Trace", "trace", "Walk", "walk", "LayerModel", "layer_model", "param_counts"]
 
 #: Published shapes (Hugging Face ``config.json``). Llama-3.2-1B ties its input embedding and
 #: output head; the bundled model has an untied head, which only adds one vocab x dim matrix
@@ -82,6 +88,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 VARIANTS = ("no_sp_eager", "no_sp", "no_sp_ac", "ulysses_eager", "sp", "sp_sac", "sp_sac_logits")
+MASKS = ("causal", "documents", "window")
+#: documents and window of the ``documents`` and ``window`` masks (tokens); neither changes memory
+DOCUMENT_TOKENS, WINDOW_TOKENS = 8192, 4096
 #: variants that use the fused vocabulary loss (``AutoSPStrategy(chunked_loss=True)``)
 FUSED_LOSS_VARIANTS = ("sp", "sp_sac")
 
@@ -154,6 +163,20 @@ def _is_alias_node(n: Any) -> bool:
 
 
 _FUSED_LOSS = torch.ops.autosp_loss.linear_cross_entropy.default
+_TILED = {
+    torch.ops.autosp_attn.tiled_attention.default: False, torch.ops.autosp_attn.tiled_attention_backward.default: True,
+    torch.ops.autosp_attn.live_tiles.default: None,
+}
+
+
+def _tiled_workspace(n: fx.Node, S: int, tr: "Trace") -> int:
+    size = lambda d: tr.nbytes(sympy.sympify(d.node.expr) if isinstance(d, torch.SymInt) else sympy.Integer(int(d)), S)  # noqa: E731
+    backward = _TILED[n.target]
+    if backward is None:  # live_tiles: the mask over a block of rows; its heads are at most the query's
+        return tiled_attention.probe_bytes(1, 1, size(n.args[3]), n.args[2])
+    q, k = (n.args[1], n.args[2]) if backward else (n.args[0], n.args[1])
+    qv, kv = q.meta["val"], k.meta["val"]
+    return tiled_attention.workspace_bytes(tuple(size(d) for d in qv.shape), tuple(size(d) for d in kv.shape), qv.dtype, n.args[-1], backward)
 
 
 def _fused_workspace(n: fx.Node, S: int, tr: Trace) -> int:
@@ -217,6 +240,9 @@ def walk(
             if n.target is _FUSED_LOSS:  # its chunk's logits live only inside the op
                 key = ("workspace", n)
                 size[key], born[key] = _fused_workspace(n, S, tr), index[n]
+            elif n.target in _TILED:  # its tiles live only inside the op
+                key = ("workspace", n)
+                size[key], born[key] = _tiled_workspace(n, S, tr), index[n]
     out_node = nodes[-1]
     outs = [o for o in tree_leaves(out_node.args[0]) if isinstance(o, fx.Node)]
     last: dict[Any, int] = dict(born)
@@ -252,12 +278,13 @@ def walk(
     return Walk(peak=peak, saved=saved, outputs={o.name: storage.get(o) for o in outs}, size=size)
 
 
-def _backend(variant: str, sp_size: int, out: list, native_gqa: Optional[bool] = False) -> Callable:
+def _backend(variant: str, sp_size: int, out: list, native_gqa: Optional[bool] = False, tiled: bool = True) -> Callable:
     """A backend that partitions like AutoSP (``*_eager`` variants: as eager autograd saves),
     appends ``(fw, bw, num_fwd_outputs)`` to ``out`` and stops the compile."""
     partitioner = SACPartitioner(
         SACConfig() if variant.startswith("sp_sac") else None,
         partition_fn=default_partition if variant.endswith("_eager") else min_cut_rematerialization_partition,
+        checked=variant != "no_sp_ac",  # full activation checkpointing recomputes attention by design
     )
 
     def keep_graphs(gm: fx.GraphModule, joint_inputs: list, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -271,7 +298,7 @@ def _backend(variant: str, sp_size: int, out: list, native_gqa: Optional[bool] =
             gm = sequence_parallel_pass(
                 gm, example_inputs, sp_size=sp_size, sp_rank=0, group_name="traced", seq_dim=1, loss_chunk=chunk,
                 kv_before_repeat=not variant.startswith("ulysses"),  # hand-written: k, v exchanged as attention reads them
-                native_gqa=native_gqa,
+                native_gqa=native_gqa, attention_tile=0 if tiled else None,
             )
         aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=keep_graphs)(gm, example_inputs)
         raise _Traced
@@ -281,9 +308,10 @@ def _backend(variant: str, sp_size: int, out: list, native_gqa: Optional[bool] =
 
 def trace(
     cfg: LlamaConfig, variant: str, sp_size: int = 8, dtype: torch.dtype = torch.bfloat16, S: int = 8192,
-    native_gqa: Optional[bool] = False,
+    native_gqa: Optional[bool] = False, mask: str = "causal", tiled: bool = True,
 ) -> Trace:
-    """Trace one training step (forward + token-mean cross-entropy) of ``Llama(cfg)``.
+    """Trace one training step (forward + token-mean cross-entropy) of ``Llama(cfg)``, with
+    attention under ``mask`` (:data:`MASKS`; ``tiled``: evaluated per tile by AutoSP's variants).
 
     ``native_gqa`` is the SP pass's argument: ``False`` (default) models AutoSP on a GPU, where
     KV heads exchanged before the model's repeat are repeated again before attention; ``None``
@@ -295,24 +323,30 @@ def trace(
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if mask not in MASKS:
+        raise ValueError(f"mask must be one of {MASKS}, got {mask!r}")
+    if mask == "window":
+        cfg = replace(cfg, sliding_window=WINDOW_TOKENS)
     with torch.device("meta"):
         model = Llama(cfg)
     model = keep_rope_fp32(model.to_empty(device="cpu").to(dtype))
     if variant == "no_sp_ac":
         model.layers = torch.nn.ModuleList(_Checkpointed(b) for b in model.layers)
 
-    def step(ids, labels):
-        logits = model(ids)
+    def step(ids, labels, docs):
+        logits = model(ids, document_ids=docs if mask == "documents" else None)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
 
     ids = torch.zeros(1, S, dtype=torch.long)
     labels = torch.zeros(1, S, dtype=torch.long)
-    torch._dynamo.mark_dynamic(ids, 1)
-    torch._dynamo.mark_dynamic(labels, 1)
+    docs = (torch.arange(S) // DOCUMENT_TOKENS)[None]
+    for t in (ids, labels, docs):
+        torch._dynamo.mark_dynamic(t, 1)
     graphs: list = []
     torch._dynamo.reset()
     try:
-        torch.compile(step, backend=_backend(variant, sp_size, graphs, native_gqa), fullgraph=True)(ids, labels)
+        backend = _backend(variant, sp_size, graphs, native_gqa, tiled)
+        torch.compile(step, backend=backend, fullgraph=True)(ids, labels, docs)
     except Exception as e:  # Dynamo wraps the backend's exception
         if not graphs or not _caused_by(e, _Traced):
             raise
@@ -349,10 +383,12 @@ class LayerModel:
 BASE_LAYERS = 2
 
 
-def layer_model(cfg: LlamaConfig, variant: str, sp_size: int = 8, dtype: torch.dtype = torch.bfloat16) -> LayerModel:
+def layer_model(
+    cfg: LlamaConfig, variant: str, sp_size: int = 8, dtype: torch.dtype = torch.bfloat16, mask: str = "causal", tiled: bool = True,
+) -> LayerModel:
     return LayerModel(
-        low=trace(replace(cfg, n_layers=BASE_LAYERS), variant, sp_size, dtype),
-        high=trace(replace(cfg, n_layers=BASE_LAYERS + 1), variant, sp_size, dtype),
+        low=trace(replace(cfg, n_layers=BASE_LAYERS), variant, sp_size, dtype, mask=mask, tiled=tiled),
+        high=trace(replace(cfg, n_layers=BASE_LAYERS + 1), variant, sp_size, dtype, mask=mask, tiled=tiled),
         n_layers=cfg.n_layers, base=BASE_LAYERS,
     )
 

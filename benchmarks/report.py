@@ -4,7 +4,8 @@ Steps: ``sp_throughput.py`` (CPU, 2 and 4 processes), ``trainability.py`` (trace
 shapes), ``checkpoint_io.py`` (save/load, replicated against sharded), ``sp_throughput.py``
 again (sharded against replicated) and ``sharded_mode.py`` (the sharded mode's working set,
 collectives and building from meta), ``vocab_loss.py`` (the
-fused loss against full logits), ``compile_time.py`` (first step against depth), ``gpu_check.py`` (only with CUDA; without it the last GPU results in
+fused loss against full logits), ``compile_time.py`` (first step against depth), ``masks.py`` (packed
+documents and sliding windows, dense against tiled masks), ``gpu_check.py`` (only with CUDA; without it the last GPU results in
 ``benchmarks/results/gpu_check.json`` are shown, if any). Results go to
 ``benchmarks/results/`` (JSON and PNG) and the page is rendered from them.
 ``sac_memory.py`` is run on its own; its figures are in ``docs/memory.md``.
@@ -27,6 +28,7 @@ import _common
 import checkpoint_io
 import compile_time
 import gpu_check
+import masks
 import sharded_mode
 import sp_throughput
 import torch
@@ -53,6 +55,7 @@ def run_all() -> None:
     sharded_mode.main(["--out", str(RESULTS / "sharded_mode.json")])
     vocab_loss.main(["--out", str(RESULTS / "vocab_loss.json")])
     compile_time.main(["--out", str(RESULTS / "compile_time.json")])
+    masks.main(["--out", str(RESULTS / "masks.json")])
     if torch.cuda.is_available():
         gpu_check.main(["--out", str(RESULTS / "gpu_check.json")])
 
@@ -169,6 +172,13 @@ def render() -> str:
         page.append(t["sharded"].substitute(
             throughput=sp_throughput.markdown(tp_fsdp), table=sharded_mode.markdown(sm),
             tp_wall_min=f"{tp_fsdp['wall_s'] / 60:.0f}", sm_wall_min=f"{sm['wall_s'] / 60:.0f}",
+        ))
+    mk = _load("masks")
+    if mk:
+        c = mk["config"]
+        page.append(t["masks"].substitute(
+            table=masks.report(mk), wall_min=f"{mk['wall_s'] / 60:.0f}", doc_len=f"{c['doc_len']:,}", window=f"{c['window']:,}",
+            machine=mk["machine"],
         ))
     page.append(t["gpu"].substitute())
     if gpu:

@@ -64,6 +64,14 @@ LABELS = {
     "sp_sac_logits": "AutoSP + SAC, full logits (chunked_loss=False)",
 }
 PAPER = {"autosp_vs_handwritten": 2.7, "sac_vs_sp": 1.66, "vs_zero3_8b": 5.6}
+#: AutoSP + SAC under other masks than plain causal: (mask, tiled) -> label
+MASK_ROWS = {
+    ("causal", True): "plain causal (is_causal=True)",
+    ("documents", False): f"packed documents of {mm.DOCUMENT_TOKENS:,} tokens, dense mask (tiled_attention=False)",
+    ("documents", True): f"packed documents of {mm.DOCUMENT_TOKENS:,} tokens, tiled mask",
+    ("window", False): f"{mm.WINDOW_TOKENS:,}-token sliding window, dense mask (tiled_attention=False)",
+    ("window", True): f"{mm.WINDOW_TOKENS:,}-token sliding window, tiled mask",
+}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -125,6 +133,8 @@ def run(args: argparse.Namespace) -> dict:
         params = mm.param_counts(cfg, preset["tied"])
         t = time.perf_counter()
         models = {v: mm.layer_model(cfg, v, args.sp_size) for v in mm.VARIANTS}
+        masked = {key: models["sp_sac"] if key == ("causal", True) else mm.layer_model(cfg, "sp_sac", args.sp_size, mask=key[0], tiled=key[1])
+                  for key in MASK_ROWS}
         # linear extrapolation in depth, checked against a real 4-layer trace
         check = mm.trace(replace(cfg, n_layers=4), "sp_sac", args.sp_size).memory(65536)
         pred = models["sp_sac"].memory(65536, n_layers=4)
@@ -142,9 +152,19 @@ def run(args: argparse.Namespace) -> dict:
                 rows[setting]["variants"][v] = {
                     "longest": S, "pow2": pow2_floor(S), "memory_at_longest": m.memory(S) if S else None,
                 }
+        masks = {}
+        for setting in args.settings:
+            if setting == "zero3":
+                continue
+            static = rows[setting]["static_bytes"]
+            masks[setting] = {
+                f"{mask}-{'tiled' if tiled else 'dense'}": {"label": MASK_ROWS[(mask, tiled)], "longest": (S := longest(m.memory, static, budget, args.granule)),
+                                                            "memory_at_longest": m.memory(S) if S else None}
+                for (mask, tiled), m in masked.items()
+            }
         out["models"][name] = {
             "params": params, "trace_s": time.perf_counter() - t, "extrapolation_rel_err": extrapolation_err,
-            "saved_bytes_per_token": per_token, "settings": rows,
+            "saved_bytes_per_token": per_token, "settings": rows, "masks": masks,
             "curves": {v: {S: m.memory(S)["peak"] for S in (1 << k for k in range(13, 22))} for v, m in models.items()},
         }
         print(f"{name}: traced in {time.perf_counter() - t:.0f}s; depth extrapolation error {extrapolation_err:.1e}", flush=True)
@@ -192,7 +212,26 @@ def markdown(res: dict) -> str:
                 lines.append(f"- static GiB per rank, {setting}: {parts}")
         lines.append("")
     lines += comparison(res)
+    lines += mask_table(res)
     return "\n".join(lines)
+
+
+def mask_table(res: dict) -> list[str]:
+    """AutoSP + SAC's longest sequence with packed documents and sliding windows, dense and tiled."""
+    lines = ["", "| model | data-parallel setting | AutoSP + SAC with | longest sequence | activation peak GiB | vs plain causal |",
+             "|---|---|---|---|---|---|"]
+    for name, m in res["models"].items():
+        for setting, rows in m.get("masks", {}).items():
+            causal = rows["causal-tiled"]["longest"]
+            if not causal:  # the model does not fit in this setting at all
+                continue
+            for r in rows.values():
+                mem = r["memory_at_longest"]
+                lines.append(
+                    f"| {name} | {setting} | {r['label']} | {r['longest']:,} | {mem['peak'] / GiB if mem else 0:.1f} | "
+                    f"{_ratio(r['longest'], causal)} |"
+                )
+    return lines
 
 
 def comparison(res: dict) -> list[str]:

@@ -186,6 +186,13 @@ class StepRunner:
                 "+ mask) @ v` with q, k, v laid out [B, H, S, D] (single-head [B, S, D] attention has no heads to "
                 "split; see the supported-models page for the steps allowed between the two matmuls)."
             )
+        tiled = sum(g.tiled_attention for g in backend.pass_stats)
+        if tiled:
+            log.info(
+                "AutoSP: %d attention call(s) of %s read a mask built from positions: they run in AutoSP's tiled attention "
+                "(%s tiles; lightning_autosp.tiled_attention), the mask evaluated per tile.", tiled, step,
+                f"{self.config.attention_tile}x{self.config.attention_tile}" if self.config.attention_tile else "automatic",
+            )
         for g in backend.pass_stats:
             if g.fallbacks:
                 log.warning("AutoSP ran %d op(s) of %s replicated: %s", len(g.fallbacks), step, "; ".join(g.fallbacks))

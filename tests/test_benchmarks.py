@@ -64,6 +64,25 @@ def test_memory_model_depth_extrapolation_and_variant_order():
     assert lm.low.memory(S)["saved"] < low["sp"] < low["no_sp"]
 
 
+@pytest.mark.slow
+def test_every_prediction_variant_traces():
+    """The variants and masks of the trainability prediction all trace on a small config, so a
+    change to SAC or the pass cannot break the prediction unseen (full activation checkpointing
+    recomputes attention by design: its partition is not refused). A mask built from positions
+    saves what plain causal attention saves when tiled, and far more as a dense S x S tensor."""
+    S = 256
+    for v in ("no_sp_ac", "ulysses_eager", "sp_sac_logits"):
+        assert mm.trace(CFG, v, sp_size=2, S=S).memory(S)["saved"] > 0
+    causal = mm.trace(CFG, "sp_sac", sp_size=2, S=S).memory(S)
+    for mask in ("documents", "window"):
+        tiled = mm.trace(CFG, "sp_sac", sp_size=2, S=S, mask=mask).memory(S)
+        dense = mm.trace(CFG, "sp_sac", sp_size=2, S=S, mask=mask, tiled=False).memory(S)
+        assert causal["saved"] <= tiled["saved"] <= 1.1 * causal["saved"] and tiled["peak"] <= 1.1 * causal["peak"]
+        assert dense["saved"] >= tiled["saved"] + S * S  # the dense bool mask, at least
+    with pytest.raises(ValueError, match="mask must be one of"):
+        mm.trace(CFG, "sp_sac", mask="ring")
+
+
 def _liveness_peak(f) -> int:
     from torch.fx.experimental.proxy_tensor import make_fx
 

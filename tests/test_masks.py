@@ -2,6 +2,8 @@
 Hugging Face mask builders with packed documents, sliding windows, soft-capping and padding on
 either side; hand-written document ids, ALiBi and windows), and documents that never leak."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -151,20 +153,40 @@ def test_documents_never_leak(tmp_path):
 @pytest.mark.slow
 def test_tiled_masks_with_inductor(tmp_path):
     """The default configuration users run (inductor, SAC): packed documents through Hugging Face's
-    mask builder and a hand-written sliding window, tiled, equal one device."""
-    names = ("llama_packed_sdpa", "documents_window_manual")
-
-    class Pair(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.models = nn.ModuleDict({n: f() for n, f, _ in FAMILIES if n in names})
-
-    def pair_loss(pair, batch):
-        return sum(loss(pair.models[n], batch) for n, _, loss in FAMILIES if n in names)
-
-    run = run_fit(tmp_path, FnModule(Pair, pair_loss, log_loss=False), ZooData(4, 29), devices=2, sp_size=2, backend="inductor",
+    mask builder, tiled, equal one device."""
+    factory, loss = next((f, lo) for n, f, lo in FAMILIES if n == "llama_packed_sdpa")
+    run = run_fit(tmp_path, FnModule(factory, loss, log_loss=False), ZooData(4, 29), devices=2, sp_size=2, backend="inductor",
                   tiled_attention=8)
-    loss_err, grad_err, naive = check_against_references(run, 2, Pair, pair_loss)
+    loss_err, grad_err, naive = check_against_references(run, 2, factory, loss)
     print(f"tiled masks, inductor sp2: loss {loss_err:.2e} grad {grad_err:.2e} (naive: grad {naive:.2e})")
     (graph,) = run.ranks[0]["graphs"]["training_step"]
-    assert graph.tiled_attention == 2 and not graph.dense_masks
+    assert graph.tiled_attention == 1 and not graph.dense_masks
+
+
+def test_packed_documents_no_mask_reads_are_warned_once(caplog):
+    """Position ids that restart within a row (packed documents) while no attention mask of the step
+    reads them - a Hugging Face model called with its cache - get one warning naming the fix;
+    a step whose mask reads them, or rows of one document, get none."""
+    from types import SimpleNamespace
+
+    from lightning_autosp.passes import SPPassStats
+    from lightning_autosp.steps import StepConfig, StepRunner
+
+    packed = {"input_ids": torch.zeros(2, 12, dtype=torch.long), "position_ids": torch.cat([torch.arange(5), torch.arange(7)]).repeat(2, 1)}
+    plain = {**packed, "position_ids": torch.arange(12).repeat(2, 1)}
+
+    def runner(mask_inputs):
+        r = StepRunner(StepConfig(), sp_size=2, sp_rank=0, sp_group=None, device=torch.device("cpu"))
+        r.backends["training_step"] = SimpleNamespace(pass_stats=[SPPassStats(mask_inputs=set(mask_inputs))])
+        return r
+
+    with caplog.at_level(logging.WARNING, logger="lightning_autosp.steps"):
+        r = runner({"s0"})
+        r._check_packed_positions("training_step", packed)
+        r._check_packed_positions("training_step", packed)
+    assert caplog.text.count("restarts within a row") == 1 and "use_cache=False" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_autosp.steps"):
+        runner({"L_batch_position_ids_"})._check_packed_positions("training_step", packed)
+        runner(set())._check_packed_positions("training_step", plain)
+    assert "restarts within a row" not in caplog.text

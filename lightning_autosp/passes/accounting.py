@@ -60,7 +60,7 @@ for _kind, _names in {
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable",
         "_scaled_dot_product_attention_math", "_scaled_dot_product_attention_math_for_mps",
         "_flash_attention_forward", "_efficient_attention_forward",
-        "tiled_attention", "tiled_attention_backward",  # autosp_attn:: (lightning_autosp.tiled_attention)
+        "tiled_attention", "tiled_attention_backward", "live_tiles",  # autosp_attn:: (lightning_autosp.tiled_attention)
     ),
     "linear": (
         "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "mv", "addmv",

@@ -132,14 +132,16 @@ def is_attention(node: fx.Node) -> bool:
     return name is not None and memory.op_kind(name) == "attention"
 
 
-_TILED_ATTENTION = "autosp_attn::tiled_attention"
+#: the tiled attention ops and the position of their list of score-program leaves
+_LEAVES_ARG = {"autosp_attn::tiled_attention": 3, "autosp_attn::live_tiles": 0}
 
 
 def score_program_leaves(node: fx.Node) -> list[fx.Node]:
-    """The leaves a tiled attention evaluates its score program on (its list argument), else ``[]``."""
-    if op_name(node) != _TILED_ATTENTION or len(node.args) < 4 or not isinstance(node.args[3], (list, tuple)):
+    """The leaves a tiled attention (or the map of its live tiles) evaluates its score program on, else ``[]``."""
+    i = _LEAVES_ARG.get(op_name(node) or "")
+    if i is None or len(node.args) <= i or not isinstance(node.args[i], (list, tuple)):
         return []
-    return [a for a in node.args[3] if isinstance(a, fx.Node)]
+    return [a for a in node.args[i] if isinstance(a, fx.Node)]
 
 
 def is_random(node: fx.Node) -> bool:

@@ -95,6 +95,8 @@ class SPRewrite:
         self.mutations: set[fx.Node] = set()  # new-graph nodes that mutate a tensor in place
         #: old node -> the hand-written attention chain it belongs to (filled by the driver)
         self.manual: dict[fx.Node, Any] = {}
+        #: (score program, its leaves in the new graph, tile) -> the new graph's ``live_tiles`` of that mask
+        self.live_tiles: dict[tuple, fx.Node] = {}
         self.redistribute = Redistributor(
             self.graph, self.new_value, self.placements, self._size_sources(), self.seq, sp_size, sp_rank, group_name
         )

@@ -221,15 +221,20 @@ class SACPartitioner(CustomPartitionerFn):
             The default, PyTorch's min-cut partitioner, is the one that honours the tags;
             ``torch._functorch.partitioners.default_partition`` saves what eager autograd saves
             (the memory benchmark's eager baselines).
+        checked: refuse a partition that runs attention or a collective again in backward;
+            ``False`` accepts it (the memory benchmark's full activation checkpointing, which
+            recomputes attention by design).
     """
 
     def __init__(
         self,
         config: Optional[SACConfig] = None,
         partition_fn: Callable[..., tuple[fx.GraphModule, fx.GraphModule]] = min_cut_rematerialization_partition,
+        checked: bool = True,
     ) -> None:
         self.config = config
         self.partition_fn = partition_fn
+        self.checked = checked
         self.records: list[SavedActivations] = []
         self.seconds = 0.0  # spent in __call__ so far
 
@@ -247,7 +252,7 @@ class SACPartitioner(CustomPartitionerFn):
         # recomputes, adding inputs), and those edits would carry into the fallback's partition
         trial = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if budget < 1 else gm
         fw, bw = self._partition(trial, joint_inputs, budget, kwargs)
-        violation = self._violation(trial, fw, bw, num_fwd_outputs)
+        violation = self._violation(trial, fw, bw, num_fwd_outputs) if self.checked else None
         if violation and budget < 1:
             # torch's budget solver mishandles MUST_SAVE on multi-output ops (attention): it may
             # save the op's tuple, or neither the op nor its outputs. Keep the invariants and
@@ -313,13 +318,14 @@ class SACPartitioner(CustomPartitionerFn):
     # inductor's cache keys the compiled graph on this; the records are not part of it
     def uuid(self) -> Any:
         partition = f"{self.partition_fn.__module__}.{self.partition_fn.__qualname__}"
-        return (get_hash_for_files((__file__, memory.__file__)), repr(self.config), partition)
+        return (get_hash_for_files((__file__, memory.__file__)), repr(self.config), partition, self.checked)
 
     def __getstate__(self) -> dict:
-        return {"config": self.config, "partition_fn": self.partition_fn}
+        return {"config": self.config, "partition_fn": self.partition_fn, "checked": self.checked}
 
     def __setstate__(self, state: dict) -> None:
         self.config = state["config"]
         self.partition_fn = state["partition_fn"]
+        self.checked = state.get("checked", True)
         self.records = []
         self.seconds = 0.0

@@ -41,6 +41,7 @@ SDPA = F.scaled_dot_product_attention
 SEQ_GATHER = torch.ops.autosp.seq_gather.default
 SEQ_SCATTER = torch.ops.autosp.seq_scatter.default
 TILED_ATTENTION = torch.ops.autosp_attn.tiled_attention.default
+LIVE_TILES = torch.ops.autosp_attn.live_tiles.default
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -206,13 +207,21 @@ def report_dense(rw: "SPRewrite", node: fx.Node, what: str, value: Any, why: str
     )
 
 
-def emit_tiled_attention(rw: "SPRewrite", q: Any, k: Any, v: Any, program: ExtractedProgram, heads: int) -> fx.Node:
-    """``tiled_attention(q, k, v, leaves, program)`` on this rank's heads (q ``[B, H/P, S, D]``; k, v
-    ``[B, Hk', S, D]`` with ``Hk'`` dividing ``H/P``): its output ``[B, H/P, S, Dv]``."""
+def emit_tiled_attention(
+    rw: "SPRewrite", q: Any, k: Any, v: Any, program: ExtractedProgram, heads: int, device: torch.device
+) -> fx.Node:
+    """``tiled_attention(q, k, v, leaves, live, program)`` on this rank's heads (q ``[B, H/P, S, D]``;
+    k, v ``[B, Hk', S, D]`` with ``Hk'`` dividing ``H/P``; tensors on ``device``): its output
+    ``[B, H/P, S, Dv]``. ``live`` (:func:`~lightning_autosp.tiled_attention.live_tiles`) is emitted
+    once per mask, for every attention call that reads the same one."""
     leaves = leaf_values(rw, program, heads)
     rw.record_mask_inputs(list(program.leaves))
     tile = rw.attention_tile or DEFAULT_TILE
-    call = rw.graph.call_function(TILED_ATTENTION, (q, k, v, leaves, program.text, tile))
+    key = (program.text, tuple(leaves), tile)
+    if key not in rw.live_tiles:  # the tiles the mask leaves: computed once for the attention calls that share it
+        seq = rw.emit(rw.seq)
+        rw.live_tiles[key] = rw.graph.call_function(LIVE_TILES, (leaves, program.text, tile, seq, seq, device))
+    call = rw.graph.call_function(TILED_ATTENTION, (q, k, v, leaves, rw.live_tiles[key], program.text, tile))
     rw.stats.tiled_attention += 1
     return rw.graph.call_function(operator.getitem, (call, 0))
 
@@ -300,7 +309,7 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     rw.stats.all_to_all += 1
     rw.stats.sdpa += 1
     if program is not None:  # [B, H/P, S, D] -> [B, H/P, S, D], the mask evaluated per tile
-        out = emit_tiled_attention(rw, *qkv, program, heads)
+        out = emit_tiled_attention(rw, *qkv, program, heads, rw.val(q).device)
         return _to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
     if kv_repeat > 1 and kv_heads * kv_repeat == heads:
         kwargs["enable_gqa"] = False

@@ -241,7 +241,7 @@ def rewrite_manual_attention(rw: "SPRewrite", attn: ManualAttention) -> RuleResu
         for n in (attn.k, attn.v):
             if kv_heads[n] < most:
                 kv[n] = _repeat_heads(rw, kv[n], most // kv_heads[n], head_dim)
-        out = emit_tiled_attention(rw, q, kv[attn.k], kv[attn.v], program, heads)  # [B, H/P, S, Dv]
+        out = emit_tiled_attention(rw, q, kv[attn.k], kv[attn.v], program, heads, rw.val(attn.q).device)  # [B, H/P, S, Dv]
         rw.stats.all_to_all += 1
         rw.stats.manual_attention += 1
         return _to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
@@ -268,7 +268,7 @@ def _chain_program(rw: "SPRewrite", attn: ManualAttention, heads: int) -> Option
     names = [_name(step) for step in attn.steps]
     why = None
     if "softmax" not in names:
-        why = "it has no softmax (only log_softmax is tiled as its scores)" if "log_softmax" in names else "it has no softmax"
+        why = "it ends in log_softmax (the tiled kernel computes a softmax)" if "log_softmax" in names else "it has no softmax"
     else:
         i = names.index("softmax")
         after = [n for n in names[i + 1 :] if n not in _CONVERT and n != "dropout"]
