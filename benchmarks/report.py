@@ -173,6 +173,11 @@ def render() -> str:
             throughput=sp_throughput.markdown(tp_fsdp), table=sharded_mode.markdown(sm),
             tp_wall_min=f"{tp_fsdp['wall_s'] / 60:.0f}", sm_wall_min=f"{sm['wall_s'] / 60:.0f}",
         ))
+    page.append(t["gpu"].substitute())
+    if gpu:
+        page.append(t["gpu_results"].substitute(device=gpu["device"], machine=gpu["machine"], table=gpu_check.markdown(gpu)))
+    else:
+        page.append(t["gpu_missing"].substitute())
     mk = _load("masks")
     if mk:
         c = mk["config"]
@@ -180,11 +185,6 @@ def render() -> str:
             table=masks.report(mk), wall_min=f"{mk['wall_s'] / 60:.0f}", doc_len=f"{c['doc_len']:,}", window=f"{c['window']:,}",
             machine=mk["machine"],
         ))
-    page.append(t["gpu"].substitute())
-    if gpu:
-        page.append(t["gpu_results"].substitute(device=gpu["device"], machine=gpu["machine"], table=gpu_check.markdown(gpu)))
-    else:
-        page.append(t["gpu_missing"].substitute())
     page.append(t["reproduce"].substitute(date=time.strftime("%Y-%m-%d")))
     return "\n".join(page)
 
