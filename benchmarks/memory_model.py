@@ -173,7 +173,8 @@ def _tiled_workspace(n: fx.Node, S: int, tr: "Trace") -> int:
     size = lambda d: tr.nbytes(sympy.sympify(d.node.expr) if isinstance(d, torch.SymInt) else sympy.Integer(int(d)), S)  # noqa: E731
     backward = _TILED[n.target]
     if backward is None:  # live_tiles: the mask over a block of rows; its heads are at most the query's
-        return tiled_attention.probe_bytes(1, 1, size(n.args[3]), n.args[2])
+        length = n.args[3].meta["val"] if isinstance(n.args[3], fx.Node) else n.args[3]
+        return tiled_attention.probe_bytes(1, 1, size(length), n.args[2])
     q, k = (n.args[1], n.args[2]) if backward else (n.args[0], n.args[1])
     qv, kv = q.meta["val"], k.meta["val"]
     return tiled_attention.workspace_bytes(tuple(size(d) for d in qv.shape), tuple(size(d) for d in kv.shape), qv.dtype, n.args[-1], backward)

@@ -252,7 +252,10 @@ class ScoreProgram:
                 bias = torch.where(x, 0.0 if bias is None else bias, a[1])
             else:  # "fill": masked_fill(scores, x, fill)
                 bias = torch.where(x, a[1], 0.0 if bias is None else bias)
-        return None if bias is None else torch.as_tensor(bias).to(dtype)
+        if bias is None:
+            return None
+        bias = torch.as_tensor(bias).to(dtype)
+        return bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) if bias.dim() < 4 else bias  # the fused kernel takes 2-D or 4-D
 
     def evaluate(
         self, s: Any, leaves: list[torch.Tensor], positions: Optional[tuple], tangent: bool = False, terms_only: bool = False
