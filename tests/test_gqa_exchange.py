@@ -93,7 +93,8 @@ def _worker(rank, world, S, sac, native):
         (record,) = backend.compiled_step().saved_activations
         stats = backend.pass_stats
         moved, native_calls = sum(s.kv_exchanged_unrepeated for s in stats), sum(s.native_gqa for s in stats)
-        out[form] = (float(loss), grads, moved, native_calls, record.recomputed)
+        fallbacks = [f for s in stats for f in s.fallbacks]
+        out[form] = (float(loss), grads, moved, native_calls, record.recomputed, fallbacks)
     return out
 
 
@@ -112,7 +113,8 @@ def test_kv_exchanged_before_the_models_repeat(tmp_path, S, sac, native):
     for form in FORMS:
         ref_loss, ref_grads = _single_device(form, S)
         for rank_result in results:
-            loss, grads, moved, native_calls, recomputed = rank_result[form]
+            loss, grads, moved, native_calls, recomputed, fallbacks = rank_result[form]
+            assert fallbacks == [], (form, fallbacks)  # every repeat runs on the rank's tokens
             assert moved == (0 if form == "tiled" else 2 * 2), form  # k and v of 2 layers
             assert native_calls == (0 if form == "tiled" or native is False else 2), form  # one per attention
             if sac:  # the tiled model exchanges k, v as attention reads them; native GQA repeats nothing

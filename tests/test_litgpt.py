@@ -74,6 +74,9 @@ def test_litgpt_matches_one_device(tmp_path, family, recipe):
     # Gemma-2's soft-capped attention adds a mask it builds as ones(S, S).triu(1).masked_fill_(..): tiled
     assert sum(g.tiled_attention for g in graphs) == (2 if family == "gemma2" else 0)
     assert not [m for g in graphs for m in g.dense_masks]
+    # KV heads repeated by repeat_interleave (GQA, MQA) run on the rank's tokens and travel unrepeated
+    assert not [f for g in graphs for f in g.fallbacks if "repeat_interleave" in f]
+    assert sum(g.kv_exchanged_unrepeated for g in graphs) == (4 if FAMILIES[family][1].get("n_query_groups") == 2 else 0)
     assert {g.seq_offset for g in graphs if g.attention} == {-1 if recipe == "pretrain" else 0}
 
 

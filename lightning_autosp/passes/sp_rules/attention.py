@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from lightning_autosp.errors import AutoSPError, user_source
 from lightning_autosp.passes.sp_rules.registry import OpCall, RuleResult, calls, op, sp_rule
 from lightning_autosp.passes.sp_rules.score_program import ExtractedProgram, NotAFunction, ProgramBuilder, leaf_values, sdpa_logits
+from lightning_autosp.passes.sp_rules.shape import repeat_interleave_args
 from lightning_autosp.tiled_attention import DEFAULT_TILE
 
 if TYPE_CHECKING:
@@ -79,11 +80,10 @@ def repeated_heads(rw: "SPRewrite", n: fx.Node, head_dim: int) -> Optional[tuple
     of every step, so a similar chain that maps heads differently is not taken; else ``None``."""
     shape = list(rw.shape(n))
     if calls(n, "repeat_interleave"):
-        bound = dict(zip(("input", "repeats", "dim"), n.args))
-        bound.update(n.kwargs)
-        x, reps, dim = bound.get("input"), bound.get("repeats"), bound.get("dim")
-        if not isinstance(x, fx.Node) or not isinstance(reps, int) or not isinstance(dim, int) or reps < 1:
+        found = repeat_interleave_args(n)
+        if found is None:
             return None
+        x, reps, dim = found
         xs = list(rw.shape(x))
         if dim % max(len(xs), 1) != head_dim or len(xs) != len(shape):
             return None

@@ -181,6 +181,33 @@ def expand(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     return rw.copy(node, args), shard.with_dim(dim)
 
 
+def repeat_interleave_args(node: fx.Node) -> Optional[tuple[fx.Node, int, int]]:
+    """``(x, n, dim)`` of ``x.repeat_interleave(n, dim=dim)`` with an integer ``n`` and ``dim``
+    (no ``output_size``); else ``None`` (a tensor of repeats, or no dim: the input flattened)."""
+    bound = dict(zip(("input", "repeats", "dim"), node.args))
+    bound.update(node.kwargs)
+    x, reps, dim = bound.get("input"), bound.get("repeats"), bound.get("dim")
+    if set(bound) - {"input", "repeats", "dim"} or not isinstance(x, fx.Node):
+        return None
+    if not isinstance(reps, int) or not isinstance(dim, int) or reps < 1:
+        return None
+    return x, reps, dim
+
+
+@sp_rule(op("repeat_interleave", torch.repeat_interleave))
+def repeat_interleave(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
+    """``x.repeat_interleave(n, dim=d)`` along a dim other than the sequence (LitGPT's repeat of
+    KV heads): each token's values repeated in place, on the rank's tokens."""
+    found = repeat_interleave_args(node)
+    if found is None or not isinstance(rw.placements.get(found[0]), Shard):
+        return None
+    x, _, dim = found
+    shard = rw.placements[x]
+    if norm_dim(dim, rw.val(x).dim()) == shard.dim:
+        return None
+    return rw.copy(node), shard
+
+
 #: ``x.mT`` as torch >= 2.15 traces it (an aten op; older torch: ``getattr(x, "mT")``, a fallback)
 _MT = tuple(f for f in (getattr(torch.ops.aten, "mT", None),) if f is not None)
 
