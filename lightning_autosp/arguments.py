@@ -25,7 +25,7 @@ def check_arguments(
     sp_size: Optional[int], compile_backend: str, sac: bool, sac_recompute: Sequence[str], sac_memory_budget: float,
     seq_dim: int, fsdp: Union[bool, str], param_dtype: Optional[Union[str, torch.dtype]],
     reduce_dtype: Optional[Union[str, torch.dtype]], pretrained: Optional[dict[str, str]], chunked_loss: Union[bool, int],
-    tiled_attention: Union[bool, int] = True,
+    tiled_attention: Union[bool, int] = True, strict: bool = False,
 ) -> tuple[StepConfig, Optional[FSDPConfig]]:
     validate_sp_size(sp_size)
     if compile_backend not in SUPPORTED_BACKENDS:
@@ -55,8 +55,13 @@ def check_arguments(
     if not isinstance(tiled_attention, bool) and not (isinstance(tiled_attention, int) and tiled_attention >= 8):
         raise ValueError(
             f"AutoSPStrategy(tiled_attention={tiled_attention!r}): pass True (tiles sized automatically), the "
-            "query rows and key columns per tile (an int >= 16), or False (keep masks as dense S x S tensors)."
+            "query rows and key columns per tile (an int >= 8), or False (keep masks as dense S x S tensors)."
         )
     attention_tile: Optional[int] = (0 if tiled_attention else None) if isinstance(tiled_attention, bool) else tiled_attention
+    if not isinstance(strict, bool):
+        raise ValueError(
+            f"AutoSPStrategy(strict={strict!r}): pass True (an op AutoSP would run replicated, all-gathering the "
+            "sequence, is an error) or False (it runs replicated, with a warning when it is large)."
+        )
     sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)  # checked even when off
-    return StepConfig(compile_backend, sac_config if sac else None, seq_dim, loss_chunk, attention_tile), fsdp_config
+    return StepConfig(compile_backend, sac_config if sac else None, seq_dim, loss_chunk, attention_tile, strict), fsdp_config

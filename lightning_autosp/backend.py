@@ -125,6 +125,8 @@ class AutoSPBackend:
     #: rows/columns per tile of attention with a mask built from positions (0: automatic, None:
     #: masks stay dense; :func:`~lightning_autosp.passes.sequence_parallel_pass`)
     attention_tile: Optional[int] = 0
+    #: an op the SP pass would run replicated is an :class:`~lightning_autosp.errors.AutoSPError`
+    strict: bool = False
     #: compile SP graphs with the sequence length as ``sp_size*c - r`` (:mod:`lightning_autosp.local_shapes`)
     local_shapes: bool = True
     #: KV heads the model repeats reach attention unrepeated with ``enable_gqa`` (``None``: on CPU;
@@ -159,6 +161,7 @@ class AutoSPBackend:
         gm = sequence_parallel_pass(
             gm, example_inputs, sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=self.group_name, seq_dim=self.seq_dim,
             loss_chunk=self.loss_chunk, native_gqa=self.native_gqa, attention_tile=self.attention_tile,
+            strict=self.strict,
         )
         self.pass_stats.append(gm.meta["autosp"])
         self.timings["sp_pass"] += time.perf_counter() - start

@@ -69,7 +69,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     names (``sp_size``, ``compile_backend``, ``sac``, ``sac_recompute``, ``sac_memory_budget``,
     ``seq_dim``, ``fsdp``, ``param_dtype``, ``reduce_dtype``, ``pretrained`` - keyed by attribute of
     the module given to ``fabric.setup``, ``""`` for the module itself -, ``chunked_loss``,
-    ``tiled_attention``) and
+    ``tiled_attention``, ``strict``) and
     Fabric's DDP strategy's. Compile the loss computation with :meth:`compile_step`.
     """
 
@@ -87,6 +87,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         pretrained: Optional[dict[str, str]] = None,
         chunked_loss: Union[bool, int] = True,
         tiled_attention: Union[bool, int] = True,
+        strict: bool = False,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -99,7 +100,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     ) -> None:
         self._step_config, config = check_arguments(
             sp_size, compile_backend, sac, sac_recompute, sac_memory_budget, seq_dim, fsdp, param_dtype, reduce_dtype,
-            pretrained, chunked_loss, tiled_attention,
+            pretrained, chunked_loss, tiled_attention, strict,
         )
         if config is not None and kwargs:
             raise ValueError(

@@ -31,11 +31,16 @@ from lightning_autosp.backend import AutoSPBackend, CompiledStep
 from lightning_autosp.batch_agreement import check_sp_batch_agreement
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.layout import check_sequence_fits
+from lightning_autosp.passes.rewrite import SPPassStats
 from lightning_autosp.passes.sac import SACConfig
+from lightning_autosp.passes.sequence_parallel import describe_fallbacks
 
 __all__ = ["StepConfig", "StepRunner"]
 
 log = logging.getLogger(__name__)
+
+#: an op run replicated that holds this share of the step's saved bytes (or more) is warned about
+LOUD_FALLBACK = 0.05
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,8 @@ class StepConfig:
     loss_chunk: Optional[int] = 0
     #: rows/columns per tile of attention with a mask built from positions (0: automatic, None: dense masks)
     attention_tile: Optional[int] = 0
+    #: an op the SP pass would run replicated is an error instead of a warning
+    strict: bool = False
 
 
 class StepRunner:
@@ -76,6 +83,7 @@ class StepRunner:
         backend = AutoSPBackend(
             sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=self.sp_group.group_name, seq_dim=cfg.seq_dim,
             backend=cfg.compile_backend, sac=cfg.sac, loss_chunk=cfg.loss_chunk, attention_tile=cfg.attention_tile,
+            strict=cfg.strict,
         )
         self.backends[name] = backend
         compiled = torch.compile(fn, backend=backend)
@@ -193,9 +201,9 @@ class StepRunner:
                 "(%s tiles; lightning_autosp.tiled_attention), the mask evaluated per tile.", tiled, step,
                 f"{self.config.attention_tile}x{self.config.attention_tile}" if self.config.attention_tile else "automatic",
             )
+        saved = sum(sum(r.bytes_by_kind().values()) for r in backend.saved_activations if r.calls) or None
         for g in backend.pass_stats:
-            if g.fallbacks:
-                log.warning("AutoSP ran %d op(s) of %s replicated: %s", len(g.fallbacks), step, "; ".join(g.fallbacks))
+            self._report_fallbacks(step, g, saved)
             if g.dense_masks:
                 log.warning(
                     "AutoSP keeps %d attention mask(s) of %s as dense S x S tensors on every SP rank (their memory grows "
@@ -204,6 +212,25 @@ class StepRunner:
                 )
         self._checked.add(step)
 
+
+    def _report_fallbacks(self, step: str, stats: SPPassStats, saved: Optional[int]) -> None:
+        """Ops run replicated: a warning with the bytes per rank of those that hold more than
+        :data:`LOUD_FALLBACK` of the bytes the step saves for backward (all of them when that is
+        unknown), an info line for the others."""
+        if not stats.fallbacks:
+            return
+        loud = {i for i, b in enumerate(stats.fallback_bytes) if saved is None or b >= LOUD_FALLBACK * saved}
+        quiet = [f for i, f in enumerate(stats.fallbacks) if i not in loud]
+        if quiet:
+            log.info("AutoSP ran %d small op(s) of %s replicated: %s", len(quiet), step, "; ".join(quiet))
+        if loud:
+            share = f" (the step saves {saved / 2**20:.2f} MiB per rank for backward)" if saved else ""
+            log.warning(
+                "AutoSP ran %d op(s) of %s replicated: each rank holds the whole sequence there%s:\n%s\nSequence "
+                "parallelism does not split these: write them along another dim than the sequence (the supported-models "
+                "page lists what is split), or pass strict=True to make any op run replicated an error.",
+                len(loud), step, share, "\n".join(describe_fallbacks(stats, loud)),
+            )
 
     def _check_packed_positions(self, step: str, batch: Any) -> None:
         """Warn once per step when the batch packs several documents in a row (position ids that

@@ -111,6 +111,11 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
             sizes the tiles automatically, an int sets the query rows and key columns per tile,
             ``False`` keeps such masks as dense ``S x S`` tensors on every rank. Plain causal
             attention (``is_causal=True``) keeps PyTorch's kernel either way.
+        strict: an op the SP pass cannot run on the rank's tokens (it would all-gather its
+            sequence-sharded inputs and run replicated: exact, but every rank then holds the whole
+            sequence there) is an :class:`~lightning_autosp.AutoSPError` naming the op, its bytes
+            per rank and the line that wrote it. ``False`` runs it replicated, with a warning
+            when it holds 5% or more of the bytes the step saves for backward.
         **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument
             (``process_group_backend``, ``start_method``, ``timeout``, DDP kwargs such as
             ``find_unused_parameters``...).
@@ -139,6 +144,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         pretrained: Optional[dict[str, str]] = None,
         chunked_loss: Union[bool, int] = True,
         tiled_attention: Union[bool, int] = True,
+        strict: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -155,7 +161,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     ) -> None:
         self._step_config, config = check_arguments(
             sp_size, compile_backend, sac, sac_recompute, sac_memory_budget, seq_dim, fsdp, param_dtype, reduce_dtype,
-            pretrained, chunked_loss, tiled_attention,
+            pretrained, chunked_loss, tiled_attention, strict,
         )
         self._sharded = ShardedMode(config, pretrained, rank_zero_info) if config is not None else None
         if config is not None:
@@ -185,7 +191,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         self._sp_size_arg = sp_size
         self.compile_backend, self.sac, self.seq_dim = compile_backend, sac, seq_dim
         self.sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)
-        self.fsdp, self.chunked_loss, self.tiled_attention = fsdp, chunked_loss, tiled_attention
+        self.fsdp, self.chunked_loss, self.tiled_attention, self.strict = fsdp, chunked_loss, tiled_attention, strict
         self._device_mesh: Optional["DeviceMesh"] = None
         self._runner: Optional[StepRunner] = None
         self._eager_calls: list[tuple[Any, str, Any]] = []

@@ -15,12 +15,15 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_autosp import AutoSPStrategy
 from lightning_autosp._compat import FORK_AFTER_COMPILE_BREAKS_AUTOGRAD
 from lightning_autosp.launch import unshare
 from lightning_autosp.fsdp import full_state_dict, sharded_parameter_bytes
+from lightning_autosp.passes import sequence_parallel_pass
+from lightning_autosp.passes.sac import SACConfig, SACPartitioner
 from lightning_autosp.examples.models import GPT, GPTConfig, Llama, LlamaConfig
 
 VOCAB = 64
@@ -495,3 +498,48 @@ def check_against_references(run: "Run", sp_size: int, model_factory: Callable, 
     assert loss_err <= tol and grad_err <= tol, (loss_err, grad_err)
     assert max(naive_loss, naive_grad) > 100 * tol, "negative control: naive sharding should not match"
     return loss_err, grad_err, naive_grad
+
+
+# ---------------------------------------------------------------------- one rank's pass, traced only
+class TraceStop(Exception):
+    """Raised by a test backend once it has what it needs (no process group to run with)."""
+
+
+def hint_int(size) -> int:
+    """A size at the sizes the step was traced with."""
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def trace_rank(step, inputs, attention_tile=0, sp_size=2, sp_rank=0, **pass_kwargs):
+    """One SP rank's step, traced and partitioned (SAC) without running it: the SP pass's stats,
+    the largest tensor of the joint graph (elements) and the bytes the forward saves for backward,
+    at the inputs' sizes. ``pass_kwargs`` go to the SP pass."""
+    found = {}
+
+    def partition(joint, joint_inputs, **kwargs):
+        found["joint_max"] = max(hint_int(n.meta["val"].numel()) for n in joint.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
+        fw, bw = SACPartitioner(SACConfig())(joint, joint_inputs, **kwargs)
+        outs = fw.graph.find_nodes(op="output")[0].args[0][kwargs["num_fwd_outputs"]:]
+        saved = {n for n in outs if isinstance(n, torch.fx.Node) and n.op != "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+        found["saved"] = sum(hint_int(n.meta["val"].numel()) * n.meta["val"].element_size() for n in saved)
+        raise TraceStop
+
+    def backend(gm, example_inputs):
+        gm = sequence_parallel_pass(gm, sp_size=sp_size, sp_rank=sp_rank, group_name="unused", attention_tile=attention_tile, **pass_kwargs)
+        found["stats"] = gm.meta["autosp"]
+        return aot_autograd(fw_compiler=lambda g, _: g.forward, partition_fn=partition)(gm, example_inputs)
+
+    seq = inputs[0].shape[1]
+    for t in inputs:  # every dim as long as the sequence, as AutoSPStrategy marks them
+        for d in range(1, t.dim()):
+            if t.shape[d] == seq:
+                torch._dynamo.mark_dynamic(t, d)
+    try:
+        torch.compile(step, backend=backend)(*inputs)
+    except Exception as exc:  # Dynamo wraps the backend's exception
+        cause = exc
+        while cause is not None and not isinstance(cause, TraceStop):
+            cause = cause.__cause__ or getattr(cause, "inner_exception", None)
+        if cause is None:
+            raise
+    return found

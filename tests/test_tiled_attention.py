@@ -10,12 +10,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from mask_models import PLAIN_CAUSAL, DocumentLM, hf_factory, packed_call, padded_call, plain_call
-from sp_harness import VOCAB
-from torch._dynamo.backends.common import aot_autograd
+from sp_harness import VOCAB, TraceStop, trace_rank
 
-from lightning_autosp.passes import sequence_parallel_pass
-from lightning_autosp.passes.sac import SACConfig, SACPartitioner
 from lightning_autosp.passes.sp_rules.attention import LIVE_TILES, TILED_ATTENTION
+from lightning_autosp.passes import sequence_parallel_pass
 from lightning_autosp.tiled_attention import TILE_COUNTS, attend
 
 B, H, HK, S, D = 2, 4, 2, 37, 8
@@ -173,50 +171,6 @@ def test_kernel_fp32_against_the_cpu_flash_kernel():
 
 
 # ---------------------------------------------------------------------- the pass, on traced steps
-class _Stop(Exception):
-    pass
-
-
-def hint_int(size) -> int:
-    """A size at the sizes the step was traced with."""
-    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
-
-
-def trace_rank(step, inputs, attention_tile=0, sp_size=2, sp_rank=0):
-    """One SP rank's step, traced and partitioned (SAC) without running it: the SP pass's stats,
-    the largest tensor of the joint graph (elements) and the bytes the forward saves for backward,
-    at the inputs' sizes."""
-    found = {}
-
-    def partition(joint, joint_inputs, **kwargs):
-        found["joint_max"] = max(hint_int(n.meta["val"].numel()) for n in joint.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
-        fw, bw = SACPartitioner(SACConfig())(joint, joint_inputs, **kwargs)
-        outs = fw.graph.find_nodes(op="output")[0].args[0][kwargs["num_fwd_outputs"]:]
-        saved = {n for n in outs if isinstance(n, torch.fx.Node) and n.op != "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
-        found["saved"] = sum(hint_int(n.meta["val"].numel()) * n.meta["val"].element_size() for n in saved)
-        raise _Stop
-
-    def backend(gm, example_inputs):
-        gm = sequence_parallel_pass(gm, sp_size=sp_size, sp_rank=sp_rank, group_name="unused", attention_tile=attention_tile)
-        found["stats"] = gm.meta["autosp"]
-        return aot_autograd(fw_compiler=lambda g, _: g.forward, partition_fn=partition)(gm, example_inputs)
-
-    seq = inputs[0].shape[1]
-    for t in inputs:  # every dim as long as the sequence, as AutoSPStrategy marks them
-        for d in range(1, t.dim()):
-            if t.shape[d] == seq:
-                torch._dynamo.mark_dynamic(t, d)
-    try:
-        torch.compile(step, backend=backend)(*inputs)
-    except Exception as exc:  # Dynamo wraps the backend's exception
-        cause = exc
-        while cause is not None and not isinstance(cause, _Stop):
-            cause = cause.__cause__ or getattr(cause, "inner_exception", None)
-        if cause is None:
-            raise
-    return found
-
-
 LONG = 4096
 
 
@@ -346,12 +300,12 @@ def test_the_kernel_op_is_what_the_pass_emits():
 
     def backend(gm, example_inputs):
         graphs.append(sequence_parallel_pass(gm, sp_size=2, sp_rank=1, group_name="unused", attention_tile=8))
-        raise _Stop  # no process group: the graph only has to exist
+        raise TraceStop  # no process group: the graph only has to exist
 
     docs = torch.zeros_like(ids)
     for t in (ids, docs):
         torch._dynamo.mark_dynamic(t, 1)
-    with pytest.raises(Exception, match="_Stop"):
+    with pytest.raises(Exception, match="TraceStop"):
         torch.compile(lambda i, d: lm(i, d).sum(), backend=backend)(ids, docs)
     (gm,) = graphs
     tiled = gm.graph.find_nodes(op="call_function", target=TILED_ATTENTION)

@@ -83,6 +83,14 @@ def is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
+def hinted_bytes(value: Any) -> int:
+    """Bytes of a fake tensor at the sizes of the batch it was traced with."""
+    numel = 1
+    for size in value.shape:
+        numel *= int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else int(size)
+    return numel * value.element_size()
+
+
 def norm_dim(dim: int, ndim: int) -> int:
     """A tensor dim as a non-negative index."""
     return dim + ndim if dim < 0 else dim

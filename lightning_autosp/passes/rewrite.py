@@ -28,7 +28,12 @@ class SPPassStats:
 
     sdpa: int = 0
     all_to_all: int = 0
+    #: ops run replicated (their sharded inputs all-gathered): ``"name (op): why"``
     fallbacks: list[str] = field(default_factory=list)
+    #: per fallback: the bytes a rank holds for it at the compiled length (its gathered inputs,
+    #: whole, and its replicated output), and where the user wrote it
+    fallback_bytes: list[int] = field(default_factory=list)
+    fallback_sources: list[str] = field(default_factory=list)
     seq_symbol: Optional[str] = None
     #: the pass splits a sequence of ``seq_symbol + seq_offset`` positions, the length attention
     #: runs over (-1 for a step that runs the model on ``tokens[:, :-1]``)

@@ -44,7 +44,7 @@ import torch.fx as fx
 from lightning_autosp.errors import AutoSPError, user_source
 from lightning_autosp.layout import check_sequence_fits
 from lightning_autosp.passes.inplace import mutated_input, visit_inplace
-from lightning_autosp.passes.placement import is_tensor, shape_exprs
+from lightning_autosp.passes.placement import hinted_bytes, is_tensor, shape_exprs
 from lightning_autosp.passes.rewrite import SPPassStats, SPRewrite
 from lightning_autosp.passes.sp_rules import SDPA, SEQ_GATHER, SEQ_SCATTER, lookup
 from lightning_autosp.passes.sp_rules.attention import TILED_ATTENTION, exchanged_source
@@ -186,9 +186,25 @@ def _fallback(rw: SPRewrite, node: fx.Node, why: str) -> None:
     """Gather every sharded input and run the op replicated (always correct)."""
     what = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     rw.stats.fallbacks.append(f"{node.name} ({what}): {why}")
+    held = [rw.val(n) for n in rw.tensor_inputs(node) if rw.is_shard(n)]
+    out = rw.val(node)
+    held += [v for v in (out if isinstance(out, (tuple, list)) else (out,)) if is_tensor(v)]
+    rw.stats.fallback_bytes.append(sum(hinted_bytes(v) for v in held))
+    rw.stats.fallback_sources.append(user_source(node))
     gather = rw.redistribute.to_replicate
     new = rw.copy(node, fx.map_arg(node.args, gather), fx.map_arg(node.kwargs, gather))
     rw.record(node, new, rw.replicated_placement(node))
+
+
+def describe_fallbacks(stats: SPPassStats, only: Optional[set[int]] = None) -> list[str]:
+    """One line per op run replicated (those at indices ``only``, default all): what it is, the
+    bytes a rank holds for it at the compiled length, and the user's line that wrote it."""
+    return [
+        f"  {what}; {nbytes / 2**20:.2f} MiB per rank at the compiled length, at\n    "
+        + source.replace("\n", "\n    ")
+        for i, (what, nbytes, source) in enumerate(zip(stats.fallbacks, stats.fallback_bytes, stats.fallback_sources))
+        if only is None or i in only
+    ]
 
 
 def _calls_attention(gm: fx.GraphModule) -> bool:
@@ -276,6 +292,7 @@ def sequence_parallel_pass(
     kv_before_repeat: bool = True,
     native_gqa: Optional[bool] = None,
     attention_tile: Optional[int] = 0,
+    strict: bool = False,
 ) -> fx.GraphModule:
     """Rewrite a Dynamo graph for Ulysses sequence parallelism (see the module docstring).
 
@@ -297,6 +314,8 @@ def sequence_parallel_pass(
     mask or score terms of hand-written attention) runs in
     :func:`~lightning_autosp.tiled_attention.tiled_attention` with tiles of this many rows and
     columns (``0``: automatic; ``None``: masks stay dense ``S x S`` tensors, as before).
+    ``strict``: an op the pass would run replicated (its sharded inputs all-gathered) is an
+    :class:`AutoSPError` naming it, its bytes per rank and the line that wrote it.
     """
     if sp_size < 1 or not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} must lie in [0, sp_size={sp_size})")
@@ -322,6 +341,14 @@ def sequence_parallel_pass(
     for attn in manual:
         rw.manual.update(dict.fromkeys(attn.nodes, attn))
     graph = _run(rw)
+    if strict and rw.stats.fallbacks:
+        raise AutoSPError(
+            f"AutoSP (strict=True): {len(rw.stats.fallbacks)} op(s) would run replicated, every rank holding the whole "
+            "sequence there (their sharded inputs all-gathered):\n"
+            + "\n".join(describe_fallbacks(rw.stats))
+            + "\nWrite them along another dim than the sequence (or in a way the supported-models page lists), or "
+            "pass strict=False to run them replicated (exact; each rank then holds the bytes above)."
+        )
     _check_postcondition(graph, rw.stats, sum(expected_all_to_alls(rw, attn) for attn in manual))
     _check_example_fits(gm, seq, sp_size, rw.stats.max_shift, offset)
     new_gm = fx.GraphModule(gm, graph)

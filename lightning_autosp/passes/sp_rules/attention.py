@@ -30,6 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from lightning_autosp.errors import AutoSPError, user_source
+from lightning_autosp.passes.placement import hinted_bytes
 from lightning_autosp.passes.sp_rules.registry import OpCall, RuleResult, calls, op, sp_rule
 from lightning_autosp.passes.sp_rules.score_program import ExtractedProgram, NotAFunction, ProgramBuilder, leaf_values, sdpa_logits
 from lightning_autosp.passes.sp_rules.shape import repeat_interleave_args
@@ -187,14 +188,6 @@ def _to_sequence(rw: "SPRewrite", x: fx.Node, head_dim: int, seq_dim: int) -> fx
     lead = tuple(range(1, head_dim + 1))  # recv: [P, .., S_r, h/P, D]
     out = g.call_function(torch.permute, (recv, (*lead, 0, head_dim + 2, head_dim + 1, head_dim + 3)))  # [.., P, h/P, S_r, D]
     return g.call_function(torch.flatten, (out, head_dim, head_dim + 1))  # [.., h, S_r, D]
-
-
-def hinted_bytes(value: Any) -> int:
-    """Bytes of a fake tensor at the sizes of the batch it was traced with."""
-    numel = 1
-    for size in value.shape:
-        numel *= int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else int(size)
-    return numel * value.element_size()
 
 
 def report_dense(rw: "SPRewrite", node: fx.Node, what: str, value: Any, why: str, per_rank: int = 1) -> None:
