@@ -48,6 +48,13 @@ def pretrain_loss(model: GPT, batch) -> torch.Tensor:
     return chunked_cross_entropy(model(input_ids), targets)
 
 
+def pretrain_loss_chunk8(model: GPT, batch) -> torch.Tensor:
+    """The pretraining step with the loss in chunks of 8 rows: the 2 x 17 flattened positions in
+    5 chunks, which straddle the ranks' tokens."""
+    tokens = batch["input_ids"]
+    return chunked_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], chunk_size=8)
+
+
 def finetune_loss(model: GPT, batch) -> torch.Tensor:
     """LitGPT's fine-tuning step: logits in chunks of the sequence, shifted after the model
     (chunks of 5 of the 18 tokens: the last, 3 long, keeps 2 after the shift - a size of 1
@@ -60,12 +67,15 @@ def finetune_loss(model: GPT, batch) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "family,recipe",
-    [("llama", "pretrain"), ("pythia", "pretrain"), ("falcon", "pretrain"), ("gemma2", "pretrain"), ("llama", "finetune")],
+    [
+        ("llama", "pretrain"), ("pythia", "pretrain"), ("falcon", "pretrain"), ("gemma2", "pretrain"),
+        ("llama", "pretrain-chunk8"), ("llama", "finetune"),
+    ],
 )
 def test_litgpt_matches_one_device(tmp_path, family, recipe):
     """18 tokens: the pretraining recipe's 17 positions split 9 + 8 over the two ranks."""
     factory = lambda: tiny_gpt(family)  # noqa: E731
-    loss_fn = pretrain_loss if recipe == "pretrain" else finetune_loss
+    loss_fn = {"pretrain": pretrain_loss, "pretrain-chunk8": pretrain_loss_chunk8, "finetune": finetune_loss}[recipe]
     run = run_fit(tmp_path, FnModule(factory, loss_fn, log_loss=False), TokenData(8, 18), devices=2, sp_size=2, steps=2)
     check_against_references(run, 2, factory, loss_fn)
     graphs = run.ranks[0]["graphs"]["training_step"]
@@ -77,7 +87,12 @@ def test_litgpt_matches_one_device(tmp_path, family, recipe):
     # KV heads repeated by repeat_interleave (GQA, MQA) run on the rank's tokens and travel unrepeated
     assert not [f for g in graphs for f in g.fallbacks if "repeat_interleave" in f]
     assert sum(g.kv_exchanged_unrepeated for g in graphs) == (4 if FAMILIES[family][1].get("n_query_groups") == 2 else 0)
-    assert {g.seq_offset for g in graphs if g.attention} == {-1 if recipe == "pretrain" else 0}
+    assert {g.seq_offset for g in graphs if g.attention} == {0 if recipe == "finetune" else -1}
+    if recipe != "finetune":  # chunked_cross_entropy: one loss over the rank's rows, fused with lm_head
+        assert [g.fallbacks for g in graphs if g.attention] == [[]]
+        assert sum(g.merged_losses for g in graphs) == 2
+        # Gemma-2 soft-caps the logits before the loss: its rank's logits exist, not fused
+        assert sum(g.fused_losses for g in graphs) == (0 if family == "gemma2" else 1)
 
 
 def test_litgpt_moe_router_is_a_clear_error(tmp_path):

@@ -42,6 +42,9 @@ class SPPassStats:
     max_shift: int = 0
     #: ``cross_entropy(linear(..))`` computed in chunks of tokens (:mod:`lightning_autosp.fused_loss`)
     fused_losses: int = 0
+    #: losses computed in chunks of rows (``cat`` of per-chunk ``cross_entropy``) or summed per row,
+    #: merged into one loss over the rows before the rewrite (:mod:`lightning_autosp.passes.chunks`)
+    merged_losses: int = 0
     #: k or v inputs of attention exchanged before the model's own head repeat (``repeat_kv``)
     kv_exchanged_unrepeated: int = 0
     #: attention calls given those KV heads unrepeated (``enable_gqa=True``) instead of repeated after the exchange

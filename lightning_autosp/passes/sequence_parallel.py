@@ -43,6 +43,7 @@ import torch.fx as fx
 
 from lightning_autosp.errors import AutoSPError, user_source
 from lightning_autosp.layout import check_sequence_fits
+from lightning_autosp.passes.chunks import merge_row_chunks
 from lightning_autosp.passes.inplace import mutated_input, visit_inplace
 from lightning_autosp.passes.placement import hinted_bytes, is_tensor, shape_exprs
 from lightning_autosp.passes.rewrite import SPPassStats, SPRewrite
@@ -333,11 +334,13 @@ def sequence_parallel_pass(
             )
         gm.meta["autosp"] = SPPassStats()
         return gm
+    merged = merge_row_chunks(gm)  # chunked losses as one op over the rows (exact; see passes/chunks.py)
     offset = attention_offset(gm, seq)
     rw = SPRewrite(
         gm, sp_size, sp_rank, group_name, seq, loss_chunk, kv_before_repeat, native_gqa, seq_offset=offset,
         attention_tile=attention_tile,
     )
+    rw.stats.merged_losses = merged
     for attn in manual:
         rw.manual.update(dict.fromkeys(attn.nodes, attn))
     graph = _run(rw)
