@@ -93,3 +93,39 @@ def test_chunkings_that_are_not_row_by_row_stay(fn):
     kept = copy.deepcopy(gm)
     assert merge_row_chunks(kept) == 0
     assert len([n for n in kept.graph.nodes if n.target is F.cross_entropy]) == 4  # 32 rows in chunks of 8
+
+
+W = torch.randn(V, 6, generator=torch.Generator().manual_seed(1))
+W_OTHER = W.flip(0)
+
+
+def lm_head_chunks(h, labels, weights=(W,)):
+    """LitGPT's fine-tuning recipe: lm_head over chunks of 5 positions, the last chunk shifted,
+    the targets split like the logits, a per-row loss per chunk, concatenated and summed."""
+    logits = [F.linear(x, weights[min(i, len(weights) - 1)]) for i, x in enumerate(h.split(5, dim=1))]
+    logits[-1] = logits[-1][..., :-1, :]
+    targets = labels[..., 1:]
+    losses = [
+        F.cross_entropy(lc.reshape(-1, V), tc.reshape(-1), reduction="none")
+        for lc, tc in zip(logits, targets.split(logits[0].size(1), dim=1))
+    ]
+    return torch.cat(losses).sum() / (targets != -100).sum()
+
+
+def test_lm_head_chunks_merge_into_one_exact_loss():
+    g = torch.Generator().manual_seed(3)
+    h, labels = torch.randn(2, 18, 6, generator=g), torch.randint(0, V, (2, 18), generator=g)
+    traced = _graph(lm_head_chunks, h, labels)
+    merged = copy.deepcopy(traced[0])
+    assert merge_row_chunks(merged) == 1
+    assert [n.kwargs["reduction"] for n in merged.graph.nodes if n.target is F.cross_entropy] == ["sum"]
+    assert not [n for n in merged.graph.nodes if n.target == "split"]
+    ref_loss, ref_grad = _loss_and_grad(traced, h, labels)
+    loss, grad = _loss_and_grad((merged, traced[1]), h, labels)
+    assert torch.allclose(loss, ref_loss, atol=1e-6) and torch.allclose(grad, ref_grad, atol=1e-6)
+    # negative control: chunks with different weights are not one linear over the whole
+    other = _graph(lambda h, y: lm_head_chunks(h, y, (W, W_OTHER)), h, labels)
+    kept = copy.deepcopy(other[0])
+    assert merge_row_chunks(kept) == 0
+    other_loss, _ = _loss_and_grad(other, h, labels)
+    assert (other_loss - ref_loss).abs() > 1e-3  # merging it anyway would compute ref_loss

@@ -16,7 +16,14 @@ identities, so this module applies them to the Dynamo graph first:
   when ``f`` works row by row (``cross_entropy``/``nll_loss`` with ``reduction="none"`` on
   ``[N, C]`` rows) - the pieces of every split are those of one split size, in order, each read
   only by its ``f``;
-* ``cross_entropy(.., reduction="none").sum()`` is ``cross_entropy(.., reduction="sum")``.
+* ``cross_entropy(.., reduction="none").sum()`` is ``cross_entropy(.., reduction="sum")``;
+* ``cat([cross_entropy(L_i, T_i, reduction="none") for i]).sum()``, where ``L_i``/``T_i`` come from
+  piece ``i`` of splits along the same dim through the same token-wise steps (``linear`` with the
+  same weights, flattening reshapes, dtype casts; the last piece of the logits may drop trailing
+  positions) - LitGPT's fine-tuning recipe, ``model(x, lm_head_chunk_size=c)`` then
+  ``chunked_cross_entropy`` - is ``cross_entropy(L, T, reduction="sum")`` of the same steps applied
+  to the whole split inputs: every logits row still meets its own target, and the sum does not
+  depend on the order of the rows.
 
 The SP pass then computes the loss over the rank's own rows, and the fused vocabulary loss
 (:mod:`lightning_autosp.fused_loss`) takes the summed form, so the logits never exist whole.
@@ -145,6 +152,134 @@ def _sum_of_rowwise_loss(node: fx.Node) -> bool:
     return True
 
 
+_CASTS = ("float", "double", "half", "bfloat16", "to", "contiguous")
+
+
+def _chain(node: Any, last: bool) -> Optional[tuple[fx.Node, int, list[fx.Node]]]:
+    """``(split, i, steps)``: ``node`` is computed from piece ``i`` of ``split`` (an int split
+    size) by ``steps`` (in forward order), each read only by the next: ``linear`` (the split
+    not along the last dim), dtype casts, reshapes to ``(-1,)`` or ``(-1, C)`` and, on the last
+    piece only (``last``) and before any reshape, ``x[..., :-k, :]`` dropping trailing positions
+    of the split dim. ``None`` for anything else."""
+    steps: list[fx.Node] = []
+    while isinstance(node, fx.Node) and not (node.op == "call_function" and node.target is operator.getitem and _is(node.args[0], "split")):
+        if len(node.users) != 1 or not node.args:
+            return None
+        steps.append(node)
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or len(node.users) != 1 or not steps:
+        return None
+    split, i = node.args
+    steps.reverse()
+    x = split.args[0].meta.get("example_value") if isinstance(split.args[0], fx.Node) else None
+    dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
+    size = split.args[1] if len(split.args) > 1 else None
+    if x is None or not isinstance(size, int) or not isinstance(dim, int) or not isinstance(i, int):
+        return None
+    dim, reshaped = dim % x.dim(), False
+    for step in steps:
+        if step.op == "call_function" and step.target is F.linear or _is(step, "linear"):
+            if reshaped or dim == x.dim() - 1:
+                return None
+        elif step.op == "call_method" and step.target in _CASTS:
+            pass
+        elif step.op == "call_method" and step.target in ("reshape", "view"):
+            shape = step.args[1] if len(step.args) == 2 and isinstance(step.args[1], (tuple, list)) else step.args[1:]
+            if not (1 <= len(shape) <= 2 and shape[0] == -1 and all(isinstance(v, int) for v in shape[1:])):
+                return None
+            reshaped = True
+        elif step.target is operator.getitem and last and not reshaped and _trims_end(step) and dim == x.dim() - 2:
+            pass
+        else:
+            return None
+    if sum(step.target is operator.getitem for step in steps) > 1:
+        return None
+    return split, i, steps
+
+
+def _trims_end(node: fx.Node) -> bool:
+    """``x[..., :-k, :]``: drops the last ``k`` positions of the second-to-last dim."""
+    idx = node.args[1]
+    return (
+        isinstance(idx, tuple) and len(idx) == 3 and idx[0] is Ellipsis and idx[2] == slice(None)
+        and isinstance(idx[1], slice) and idx[1].start is None and idx[1].step is None
+        and isinstance(idx[1].stop, int) and idx[1].stop < 0
+    )
+
+
+def _same_step(a: fx.Node, b: fx.Node) -> bool:
+    """Steps of two pieces that do the same to their piece (same op, same other arguments)."""
+    return a.op == b.op and a.target == b.target and a.args[1:] == b.args[1:] and a.kwargs == b.kwargs
+
+
+def _fake(node: fx.Node) -> None:
+    """``node.meta["example_value"]`` from its inputs' example values (in their fake mode)."""
+    args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
+    mode = next(v.fake_mode for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
+    fn = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
+    with mode:
+        node.meta["example_value"] = fn(*args, **kwargs)
+
+
+def _merge_summed_chunks(graph: fx.Graph, total: fx.Node) -> bool:
+    """The third rewrite of the module docstring at ``total = cat(losses).sum()``."""
+    if not _is(total, "sum") or len(total.args) != 1 or total.kwargs:
+        return False
+    cat = total.args[0]
+    if not _is(cat, "cat") or len(cat.users) != 1 or cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0) != 0:
+        return False
+    losses = cat.args[0]
+    if not isinstance(losses, (list, tuple)) or len(losses) < 2:
+        return False
+    if not all(isinstance(p, fx.Node) and p.target is F.cross_entropy and _rowwise_loss(p) and len(p.users) == 1 for p in losses):
+        return False
+    first, n = losses[0], len(losses)
+    if any(len(p.args) != len(first.args) or p.args[2:] != first.args[2:] or p.kwargs != first.kwargs for p in losses):
+        return False
+    wholes = []  # per argument (logits, targets): the split and the last piece's steps
+    for slot in (0, 1):
+        chains = [_chain(p.args[slot], last=i == n - 1) for i, p in enumerate(losses)]
+        if any(c is None for c in chains):
+            return False
+        split = chains[0][0]
+        if any(c[0] is not split or c[1] != i for i, c in enumerate(chains)):
+            return False
+        if len(split.users) != n or len(split.meta.get("example_value") or ()) != n:
+            return False
+        base, last = chains[0][2], chains[-1][2]
+        plain_last = [s for s in last if s.target is not operator.getitem]
+        for steps in [*(c[2] for c in chains[1:-1]), plain_last]:
+            if len(steps) != len(base) or not all(_same_step(a, b) for a, b in zip(base, steps)):
+                return False
+        wholes.append((split, last))
+    (l_split, _), (t_split, _) = wholes
+    if l_split.args[1:] != t_split.args[1:] or l_split.kwargs != t_split.kwargs:
+        return False  # the pieces of logits and targets must be the same positions
+    with graph.inserting_before(total):
+        new_args = []
+        for split, last in wholes:
+            value = split.args[0]
+            for step in last:  # the last piece's steps (with its trim) on the whole input
+                value = graph.create_node(step.op, step.target, (value, *step.args[1:]), dict(step.kwargs))
+                value.meta["stack_trace"] = step.meta.get("stack_trace")
+                _fake(value)
+            new_args.append(value)
+        merged = graph.call_function(first.target, (*new_args, *first.args[2:]), {**first.kwargs, "reduction": "sum"})
+    merged.meta.update(total.meta)
+    merged.meta["stack_trace"] = first.meta.get("stack_trace", total.meta.get("stack_trace"))
+    total.replace_all_uses_with(merged)
+    dead = [total, cat, *losses]
+    for p in losses:
+        for slot in (0, 1):
+            node = p.args[slot]
+            while not _is(node, "split"):
+                dead.append(node)
+                node = node.args[0]
+    for node in [*dead, l_split, t_split]:
+        graph.erase_node(node)
+    return True
+
+
 def merge_row_chunks(gm: fx.GraphModule) -> int:
     """Apply both rewrites of the module docstring to ``gm``'s graph in place; the number of
     chunked losses merged (``cat`` of per-chunk losses) and summed losses turned into one."""
@@ -153,7 +288,7 @@ def merge_row_chunks(gm: fx.GraphModule) -> int:
         if node.graph is graph and _is(node, "cat") and _merge_cat(graph, node):
             merged += 1
     for node in list(graph.nodes):
-        if _is(node, "sum") and _sum_of_rowwise_loss(node):
+        if _is(node, "sum") and (_sum_of_rowwise_loss(node) or _merge_summed_chunks(graph, node)):
             merged += 1
     if merged:
         graph.lint()

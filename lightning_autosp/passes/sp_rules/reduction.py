@@ -133,8 +133,11 @@ _KEEP_ROWS = ("contiguous", "float", "double", "half", "bfloat16", "to", "type")
 
 
 def _row_index(index: Any, ndim: int) -> bool:
-    """``x[index]`` only slices dims before the last (rows of the logits, not classes)."""
+    """``x[index]`` only slices dims before the last (rows of the logits, not classes); a leading
+    ``...`` stands for full slices (``x[..., :-1, :]``)."""
     index = index if isinstance(index, tuple) else (index,)
+    if index and index[0] is Ellipsis:
+        index = (slice(None),) * (ndim - len(index) + 1) + index[1:]
     if not all(isinstance(i, slice) for i in index) or len(index) > ndim:
         return False
     return len(index) < ndim or index[-1] == slice(None)
