@@ -238,3 +238,15 @@ def test_all_to_all_bytes_count_what_each_variant_sends(tmp_path):
     for counts in spawn(tmp_path, _all_to_all_worker, 2):
         assert counts["ulysses_compiled"] == 2 * layers * (4 + 4 + 4 + 4) * piece
         assert counts["autosp"] == 2 * layers * (4 + 2 + 2 + 4) * piece
+
+
+@pytest.mark.slow
+def test_sp_split_reports_what_stays_replicated():
+    """benchmarks/sp_split.py on a row of 512 tokens: LitGPT's fine-tuning recipe (lm_head chunks, its GQA
+    repeat_interleave) keeps ~1/2 of its sp=1 bytes per rank at sp=2, with nothing replicated."""
+    pytest.importorskip("litgpt")
+    import sp_split
+
+    res = sp_split.main(["--seq-len", "512", "--cases", "litgpt-finetune"])  # lm_head in 4 chunks
+    row = {int(sp): v for sp, v in res["cases"]["litgpt-finetune"].items()}
+    assert row[2]["fallbacks"] == [] and row[2]["saved"] <= 0.65 * row[1]["saved"]

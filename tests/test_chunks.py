@@ -99,10 +99,10 @@ W = torch.randn(V, 6, generator=torch.Generator().manual_seed(1))
 W_OTHER = W.flip(0)
 
 
-def lm_head_chunks(h, labels, weights=(W,)):
-    """LitGPT's fine-tuning recipe: lm_head over chunks of 5 positions, the last chunk shifted,
-    the targets split like the logits, a per-row loss per chunk, concatenated and summed."""
-    logits = [F.linear(x, weights[min(i, len(weights) - 1)]) for i, x in enumerate(h.split(5, dim=1))]
+def lm_head_chunks(h, labels, weights=(W,), chunk=5):
+    """LitGPT's fine-tuning recipe: lm_head over chunks of ``chunk`` positions, the last chunk
+    shifted, the targets split like the logits, a per-row loss per chunk, concatenated and summed."""
+    logits = [F.linear(x, weights[min(i, len(weights) - 1)]) for i, x in enumerate(h.split(chunk, dim=1))]
     logits[-1] = logits[-1][..., :-1, :]
     targets = labels[..., 1:]
     losses = [
@@ -112,10 +112,11 @@ def lm_head_chunks(h, labels, weights=(W,)):
     return torch.cat(losses).sum() / (targets != -100).sum()
 
 
-def test_lm_head_chunks_merge_into_one_exact_loss():
+@pytest.mark.parametrize("chunk", [5, 64], ids=["4chunks", "1chunk"])
+def test_lm_head_chunks_merge_into_one_exact_loss(chunk):
     g = torch.Generator().manual_seed(3)
     h, labels = torch.randn(2, 18, 6, generator=g), torch.randint(0, V, (2, 18), generator=g)
-    traced = _graph(lm_head_chunks, h, labels)
+    traced = _graph(lambda h, y: lm_head_chunks(h, y, chunk=chunk), h, labels)
     merged = copy.deepcopy(traced[0])
     assert merge_row_chunks(merged) == 1
     assert [n.kwargs["reduction"] for n in merged.graph.nodes if n.target is F.cross_entropy] == ["sum"]
@@ -124,6 +125,8 @@ def test_lm_head_chunks_merge_into_one_exact_loss():
     loss, grad = _loss_and_grad((merged, traced[1]), h, labels)
     assert torch.allclose(loss, ref_loss, atol=1e-6) and torch.allclose(grad, ref_grad, atol=1e-6)
     # negative control: chunks with different weights are not one linear over the whole
+    if chunk > 18:
+        return  # one chunk, one weight
     other = _graph(lambda h, y: lm_head_chunks(h, y, (W, W_OTHER)), h, labels)
     kept = copy.deepcopy(other[0])
     assert merge_row_chunks(kept) == 0

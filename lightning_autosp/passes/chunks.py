@@ -157,7 +157,7 @@ _CASTS = ("float", "double", "half", "bfloat16", "to", "contiguous")
 
 def _chain(node: Any, last: bool) -> Optional[tuple[fx.Node, int, list[fx.Node]]]:
     """``(split, i, steps)``: ``node`` is computed from piece ``i`` of ``split`` (an int split
-    size) by ``steps`` (in forward order), each read only by the next: ``linear`` (the split
+    size, or any when it makes one piece) by ``steps`` (in forward order), each read only by the next: ``linear`` (the split
     not along the last dim), dtype casts, reshapes to ``(-1,)`` or ``(-1, C)`` and, on the last
     piece only (``last``) and before any reshape, ``x[..., :-k, :]`` dropping trailing positions
     of the split dim. ``None`` for anything else."""
@@ -174,7 +174,8 @@ def _chain(node: Any, last: bool) -> Optional[tuple[fx.Node, int, list[fx.Node]]
     x = split.args[0].meta.get("example_value") if isinstance(split.args[0], fx.Node) else None
     dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
     size = split.args[1] if len(split.args) > 1 else None
-    if x is None or not isinstance(size, int) or not isinstance(dim, int) or not isinstance(i, int):
+    whole = len(split.meta.get("example_value") or ()) == 1  # one piece: the split is the identity
+    if x is None or not (isinstance(size, int) or whole) or not isinstance(dim, int) or not isinstance(i, int):
         return None
     dim, reshaped = dim % x.dim(), False
     for step in steps:
@@ -229,7 +230,7 @@ def _merge_summed_chunks(graph: fx.Graph, total: fx.Node) -> bool:
     if not _is(cat, "cat") or len(cat.users) != 1 or cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0) != 0:
         return False
     losses = cat.args[0]
-    if not isinstance(losses, (list, tuple)) or len(losses) < 2:
+    if not isinstance(losses, (list, tuple)) or not losses:
         return False
     if not all(isinstance(p, fx.Node) and p.target is F.cross_entropy and _rowwise_loss(p) and len(p.users) == 1 for p in losses):
         return False
@@ -246,14 +247,14 @@ def _merge_summed_chunks(graph: fx.Graph, total: fx.Node) -> bool:
             return False
         if len(split.users) != n or len(split.meta.get("example_value") or ()) != n:
             return False
-        base, last = chains[0][2], chains[-1][2]
-        plain_last = [s for s in last if s.target is not operator.getitem]
+        last = chains[-1][2]
+        base, plain_last = ([s for s in c[2] if s.target is not operator.getitem] for c in (chains[0], chains[-1]))
         for steps in [*(c[2] for c in chains[1:-1]), plain_last]:
             if len(steps) != len(base) or not all(_same_step(a, b) for a, b in zip(base, steps)):
                 return False
         wholes.append((split, last))
     (l_split, _), (t_split, _) = wholes
-    if l_split.args[1:] != t_split.args[1:] or l_split.kwargs != t_split.kwargs:
+    if n > 1 and (l_split.args[1:] != t_split.args[1:] or l_split.kwargs != t_split.kwargs):
         return False  # the pieces of logits and targets must be the same positions
     with graph.inserting_before(total):
         new_args = []
