@@ -11,6 +11,16 @@ class AutoSPError(RuntimeError):
     """
 
 
+class NoSequenceDim(AutoSPError):
+    """A graph with attention but no input with a symbolic sequence length. ``fixed_sizes``: the
+    sizes at ``seq_dim`` of its inputs that were marked dynamic there but traced as constants
+    (Dynamo specialised the length)."""
+
+    def __init__(self, message: str, fixed_sizes: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.fixed_sizes = fixed_sizes
+
+
 def user_source(node) -> str:
     """Where the user wrote the op of FX node ``node``: the last frame of the stack trace
     Dynamo recorded (file, line, code)."""

@@ -29,7 +29,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from lightning_autosp._compat import graph_break_counter
 from lightning_autosp.backend import AutoSPBackend, CompiledStep
 from lightning_autosp.batch_agreement import check_sp_batch_agreement
-from lightning_autosp.errors import AutoSPError
+from lightning_autosp.errors import AutoSPError, NoSequenceDim
 from lightning_autosp.layout import check_sequence_fits
 from lightning_autosp.passes.rewrite import SPPassStats
 from lightning_autosp.passes.sac import SACConfig
@@ -122,6 +122,8 @@ class StepRunner:
             cause = _find_cause(exc, AutoSPError)
             if cause is None:
                 raise
+            if isinstance(cause, NoSequenceDim) and self.marked_length in cause.fixed_sizes:
+                raise _specialized_length_error(self.marked_length, self.marked) from exc
             breaks = Counter(graph_break_counter()) - breaks_before
             raise AutoSPError(f"{cause}{_describe_breaks(breaks)}") from exc
         self._check_rewritten(name, where)
@@ -304,6 +306,18 @@ def _fixed_size_error(violation: BaseException, marked: list[str]) -> AutoSPErro
         "or that tensor has a feature dim that happens to equal the sequence length: give it a size "
         "other than the sequence length (or a sequence length other than its size), or move it out "
         "of the batch (a buffer of the module, for example)."
+    )
+
+
+def _specialized_length_error(length: int, marked: list[str]) -> AutoSPError:
+    return AutoSPError(
+        f"AutoSP marked the sequence dims of the batch ({', '.join(marked)}) dynamic, but Dynamo traced the "
+        f"model with the sequence length fixed at {length}: some op of the step made it a constant. A common "
+        "cause: a split along the sequence into chunks whose last piece has 1 element (Dynamo specialises sizes "
+        "0 and 1), e.g. LitGPT's `model(x, lm_head_chunk_size=c)` when the length is a multiple of c plus one "
+        "(513 tokens with c=128). "
+        "Use a sequence length (or chunk size) that leaves no piece of 1 element; TORCH_LOGS=dynamic shows "
+        "where the length was fixed."
     )
 
 

@@ -115,3 +115,17 @@ def test_litgpt_sliding_window_mask_is_a_clear_error(tmp_path):
 
     with pytest.raises(Exception, match=r"(?s)fixed size.*Dynamo fixed it here:.*litgpt/model\.py.*for i in range\(T\)"):
         run_fit(tmp_path, FnModule(factory, pretrain_loss, log_loss=False), TokenData(4, 18), devices=2, sp_size=2, steps=1)
+
+
+def test_litgpt_lm_head_chunk_of_one_token_is_a_clear_error(tmp_path):
+    """LitGPT's fine-tuning recipe at 18 tokens with chunks of 17: the last lm_head chunk has one
+    position, so Dynamo fixes the sequence length. The error says so, instead of blaming the
+    graph break of the module's logging after the loss (its own, unrelated)."""
+    def loss_fn(model, batch):
+        logits = model(batch["input_ids"], lm_head_chunk_size=17)
+        logits[-1] = logits[-1][..., :-1, :]
+        return chunked_cross_entropy(logits, batch["labels"][..., 1:])
+
+    with pytest.raises(Exception, match=r"(?s)sequence length fixed at 18.*last piece has 1 element") as info:
+        run_fit(tmp_path, FnModule(lambda: tiny_gpt("llama"), loss_fn), TokenData(4, 18), devices=1, sp_size=1, steps=1)
+    assert "split this step into several graphs" not in str(info.value)

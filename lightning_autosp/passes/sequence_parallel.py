@@ -41,7 +41,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from lightning_autosp.errors import AutoSPError, user_source
+from lightning_autosp.errors import AutoSPError, NoSequenceDim, user_source
 from lightning_autosp.layout import check_sequence_fits
 from lightning_autosp.passes.chunks import merge_row_chunks
 from lightning_autosp.passes.inplace import mutated_input, visit_inplace
@@ -325,12 +325,19 @@ def sequence_parallel_pass(
     n_sdpa = len(gm.graph.find_nodes(op="call_function", target=SDPA)) + len(manual)
     if seq is None:
         if n_sdpa:
-            raise AutoSPError(
+            fixed = tuple(sorted({  # inputs marked dynamic at seq_dim that Dynamo made static
+                int(size) for n in gm.graph.find_nodes(op="placeholder")
+                if is_tensor(v := n.meta.get("example_value")) and v.dim() > seq_dim
+                and (size := shape_exprs(v)[seq_dim]).is_Integer
+                and seq_dim in getattr(getattr(n.meta.get("grapharg"), "example", None), "_dynamo_dynamic_indices", ())
+            }))
+            raise NoSequenceDim(
                 f"AutoSP found {n_sdpa} attention call(s) in a graph with no input with a symbolic "
                 f"sequence length at seq_dim={seq_dim}, so it cannot tell which dim to split. This happens "
                 "when a graph break splits the model before an attention (the graph after the break sees "
                 "intermediate tensors of fixed size), or when the model runs outside AutoSPStrategy (which "
-                "marks the sequence dim of the batch dynamic) or with the wrong `seq_dim`."
+                "marks the sequence dim of the batch dynamic) or with the wrong `seq_dim`.",
+                fixed,
             )
         gm.meta["autosp"] = SPPassStats()
         return gm
