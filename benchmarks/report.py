@@ -5,7 +5,8 @@ shapes), ``checkpoint_io.py`` (save/load, replicated against sharded), ``sp_thro
 again (sharded against replicated) and ``sharded_mode.py`` (the sharded mode's working set,
 collectives and building from meta), ``vocab_loss.py`` (the
 fused loss against full logits), ``compile_time.py`` (first step against depth), ``masks.py`` (packed
-documents and sliding windows, dense against tiled masks), ``gpu_check.py`` (only with CUDA; without it the last GPU results in
+documents and sliding windows, dense against tiled masks), ``sp_split.py`` (per-rank saved bytes at sp=2 and 4
+against sp=1, and the ops run replicated), ``gpu_check.py`` (only with CUDA; without it the last GPU results in
 ``benchmarks/results/gpu_check.json`` are shown, if any). Results go to
 ``benchmarks/results/`` (JSON and PNG) and the page is rendered from them.
 ``sac_memory.py`` is run on its own; its figures are in ``docs/memory.md``.
@@ -29,6 +30,7 @@ import checkpoint_io
 import compile_time
 import gpu_check
 import masks
+import sp_split
 import sharded_mode
 import sp_throughput
 import torch
@@ -56,6 +58,7 @@ def run_all() -> None:
     vocab_loss.main(["--out", str(RESULTS / "vocab_loss.json")])
     compile_time.main(["--out", str(RESULTS / "compile_time.json")])
     masks.main(["--out", str(RESULTS / "masks.json")])
+    sp_split.main(["--seq-len", "1024", "--sp", "2", "4", "--out", str(RESULTS / "sp_split.json")])
     if torch.cuda.is_available():
         gpu_check.main(["--out", str(RESULTS / "gpu_check.json")])
 
@@ -184,6 +187,12 @@ def render() -> str:
         page.append(t["masks"].substitute(
             table=masks.report(mk), wall_min=f"{mk['wall_s'] / 60:.0f}", doc_len=f"{c['doc_len']:,}", window=f"{c['window']:,}",
             machine=mk["machine"],
+        ))
+    split = _load("sp_split")
+    if split:
+        page.append(t["split"].substitute(
+            table=sp_split.report(split), wall_min=f"{split['wall_s'] / 60:.0f}", seq_len=f"{split['config']['seq_len']:,}",
+            machine=split["machine"],
         ))
     page.append(t["reproduce"].substitute(date=time.strftime("%Y-%m-%d")))
     return "\n".join(page)

@@ -213,6 +213,7 @@ def test_report_renders_every_placeholder_from_the_stored_results():
     assert "## 3. Checkpoints" in page and "Sharded over replicated: save time" in page
     assert "## 4. The loss without the full logits" in page and "| 65,536 | 128,256 |" in page
     assert "## 5. Compile time against depth" in page and "| inductor | 32 |" in page
+    assert "## 9. Does every op run on the rank's tokens?" in page and "| litgpt-finetune |" in page
 
 
 def _all_to_all_worker(rank, world):
