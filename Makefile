@@ -1,7 +1,7 @@
 # Two entry points, each working on a fresh machine (they create .venv on first use):
 #   make demo   - the main job: long-context KV recall, 2 CPU processes, sequence parallel (sp=2)
 #   make test   - the test suite
-#   make benchmarks - the benchmarks behind BENCHMARKS.md, then the page (about 1 hour 45 minutes on 2 cores;
+#   make benchmarks - the benchmarks behind BENCHMARKS.md, then the page (about 1 hour 50 minutes on 2 cores;
 #                     benchmarks/sac_memory.py runs on its own)
 #   make test-compat TORCH_SPEC=torch==2.9.1 [LIGHTNING_SPEC=lightning==2.5.0]
 #                   - the compatibility subset against another torch / Lightning, in its own
