@@ -31,7 +31,6 @@ The SP pass then computes the loss over the rank's own rows, and the fused vocab
 
 from __future__ import annotations
 
-import inspect
 import operator
 from typing import Any, Optional
 
@@ -39,10 +38,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from lightning_autosp.passes.sp_rules.reduction import loss_arguments
+
 __all__ = ["merge_row_chunks"]
-
-_LOSSES = {F.cross_entropy: inspect.signature(F.cross_entropy), F.nll_loss: inspect.signature(F.nll_loss)}
-
 
 def _is(node: Any, name: str) -> bool:
     """``node`` calls ``torch.<name>``/``Tensor.<name>``."""
@@ -53,20 +51,20 @@ def _is(node: Any, name: str) -> bool:
     return node.op == "call_function" and node.target is getattr(torch, name, None)
 
 
-def _loss_args(node: fx.Node) -> Optional[dict[str, Any]]:
-    """The bound arguments of a ``cross_entropy``/``nll_loss`` call, or ``None``."""
-    if node.op != "call_function" or node.target not in _LOSSES:
-        return None
-    try:
-        return dict(_LOSSES[node.target].bind(*node.args, **node.kwargs).arguments)
-    except TypeError:
-        return None
+def _split_args(split: fx.Node) -> tuple[Any, Any]:
+    """``(size, dim)`` of a ``split`` call, positional or by keyword."""
+    size = split.kwargs.get("split_size_or_sections", split.kwargs.get("split_size", split.args[1] if len(split.args) > 1 else None))
+    return size, split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
+
+
+def _cat_dim(cat: fx.Node) -> Any:
+    return cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
 
 
 def _rowwise_loss(node: fx.Node) -> bool:
     """A per-row loss: ``reduction="none"`` on ``[N, C]`` logits and ``[N]`` targets."""
-    a = _loss_args(node)
-    if a is None or a.get("reduction", "mean") != "none" or a.get("size_average") is not None or a.get("reduce") is not None:
+    a = loss_arguments(node)
+    if a is None or a["reduction"] != "none" or a.get("size_average") is not None or a.get("reduce") is not None:
         return False
     val = node.args[0].meta.get("example_value") if isinstance(node.args[0], fx.Node) else None
     return isinstance(val, torch.Tensor) and val.dim() == 2
@@ -79,8 +77,7 @@ def _split_piece(node: Any) -> Optional[tuple[fx.Node, int]]:
     split, i = node.args
     if not _is(split, "split") or not isinstance(i, int):
         return None
-    dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
-    size = split.kwargs.get("split_size_or_sections", split.kwargs.get("split_size", split.args[1] if len(split.args) > 1 else None))
+    size, dim = _split_args(split)
     if dim != 0 or not isinstance(size, int) or set(split.kwargs) - {"dim", "split_size", "split_size_or_sections"}:
         return None
     return split, i
@@ -88,8 +85,7 @@ def _split_piece(node: Any) -> Optional[tuple[fx.Node, int]]:
 
 def _merge_cat(graph: fx.Graph, cat: fx.Node) -> bool:
     pieces = cat.args[0] if cat.args else cat.kwargs.get("tensors")
-    dim = cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
-    if dim != 0 or not isinstance(pieces, (list, tuple)) or not pieces:
+    if _cat_dim(cat) != 0 or not isinstance(pieces, (list, tuple)) or not pieces:
         return False
     first = pieces[0]
     if not all(isinstance(p, fx.Node) and _rowwise_loss(p) and p.target is first.target for p in pieces):
@@ -113,7 +109,7 @@ def _merge_cat(graph: fx.Graph, cat: fx.Node) -> bool:
             splits[slot] = split
         elif any(f is not None for f in found) or any(v is not values[0] and v != values[0] for v in values):
             return False
-    if not splits or len({s.args[1] if len(s.args) > 1 else None for s in splits.values()}) != 1:
+    if not splits or len({_split_args(s)[0] for s in splits.values()}) != 1:
         return False
     rows = [s.args[0].meta["example_value"].shape[0] for s in splits.values()]
     if len({str(r.node.expr if isinstance(r, torch.SymInt) else r) for r in rows}) != 1:
@@ -172,8 +168,7 @@ def _chain(node: Any, last: bool) -> Optional[tuple[fx.Node, int, list[fx.Node]]
     split, i = node.args
     steps.reverse()
     x = split.args[0].meta.get("example_value") if isinstance(split.args[0], fx.Node) else None
-    dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
-    size = split.args[1] if len(split.args) > 1 else None
+    size, dim = _split_args(split)
     whole = len(split.meta.get("example_value") or ()) == 1  # one piece: the split is the identity
     if x is None or not (isinstance(size, int) or whole) or not isinstance(dim, int) or not isinstance(i, int):
         return None
@@ -227,7 +222,7 @@ def _merge_summed_chunks(graph: fx.Graph, total: fx.Node) -> bool:
     if not _is(total, "sum") or len(total.args) != 1 or total.kwargs:
         return False
     cat = total.args[0]
-    if not _is(cat, "cat") or len(cat.users) != 1 or cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0) != 0:
+    if not _is(cat, "cat") or len(cat.users) != 1 or _cat_dim(cat) != 0:
         return False
     losses = cat.args[0]
     if not isinstance(losses, (list, tuple)) or not losses:
@@ -254,7 +249,7 @@ def _merge_summed_chunks(graph: fx.Graph, total: fx.Node) -> bool:
                 return False
         wholes.append((split, last))
     (l_split, _), (t_split, _) = wholes
-    if n > 1 and (l_split.args[1:] != t_split.args[1:] or l_split.kwargs != t_split.kwargs):
+    if n > 1 and _split_args(l_split) != _split_args(t_split):
         return False  # the pieces of logits and targets must be the same positions
     with graph.inserting_before(total):
         new_args = []
@@ -282,11 +277,11 @@ def _merge_summed_chunks(graph: fx.Graph, total: fx.Node) -> bool:
 
 
 def merge_row_chunks(gm: fx.GraphModule) -> int:
-    """Apply both rewrites of the module docstring to ``gm``'s graph in place; the number of
+    """Apply the rewrites of the module docstring to ``gm``'s graph in place; the number of
     chunked losses merged (``cat`` of per-chunk losses) and summed losses turned into one."""
     graph, merged = gm.graph, 0
     for node in list(graph.nodes):
-        if node.graph is graph and _is(node, "cat") and _merge_cat(graph, node):
+        if _is(node, "cat") and _merge_cat(graph, node):
             merged += 1
     for node in list(graph.nodes):
         if _is(node, "sum") and (_sum_of_rowwise_loss(node) or _merge_summed_chunks(graph, node)):

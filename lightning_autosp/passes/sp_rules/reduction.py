@@ -79,11 +79,24 @@ def reduce(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
 _LOSS_SIGNATURES = {F.cross_entropy: inspect.signature(F.cross_entropy), F.nll_loss: inspect.signature(F.nll_loss)}
 
 
+def loss_arguments(node: fx.Node) -> Optional[dict[str, Any]]:
+    """Every argument of a ``cross_entropy``/``nll_loss`` call by name, defaults included;
+    ``None`` for another node or arguments that do not bind."""
+    sig = _LOSS_SIGNATURES.get(node.target) if node.op == "call_function" else None
+    if sig is None:
+        return None
+    try:
+        bound = sig.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    return {**{k: p.default for k, p in sig.parameters.items()}, **bound.arguments}
+
+
 @sp_rule(op("cross_entropy", F.cross_entropy, method=False), op("nll_loss", F.nll_loss, method=False))
 def loss(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
-    sig = _LOSS_SIGNATURES[node.target]
-    bound = sig.bind(*node.args, **node.kwargs)
-    a = {**{k: p.default for k, p in sig.parameters.items()}, **bound.arguments}
+    a = loss_arguments(node)
+    if a is None:
+        return None
     inp, tgt, weight = a["input"], a["target"], a["weight"]
     if a.get("size_average") is not None or a.get("reduce") is not None:
         return None
