@@ -203,7 +203,9 @@ class StepRunner:
                 "(%s tiles; lightning_autosp.tiled_attention), the mask evaluated per tile.", tiled, step,
                 f"{self.config.attention_tile}x{self.config.attention_tile}" if self.config.attention_tile else "automatic",
             )
-        saved = sum(sum(r.bytes_by_kind().values()) for r in backend.saved_activations if r.calls) or None
+        saved = None
+        if any(g.fallbacks for g in backend.pass_stats):  # what the step saves for backward, to weigh them by
+            saved = sum(sum(r.bytes_by_kind().values()) for r in backend.saved_activations if r.calls) or None
         for g in backend.pass_stats:
             self._report_fallbacks(step, g, saved)
             if g.dense_masks:
@@ -213,7 +215,6 @@ class StepRunner:
                     "from positions (see the supported-models page).", len(g.dense_masks), step, "; ".join(g.dense_masks),
                 )
         self._checked.add(step)
-
 
     def _report_fallbacks(self, step: str, stats: SPPassStats, saved: Optional[int]) -> None:
         """Ops run replicated: a warning with the bytes per rank of those that hold more than
