@@ -53,6 +53,7 @@ from lightning_autosp.launch import prepare_rank
 from lightning_autosp.mesh import SPGrid
 from lightning_autosp.sharded_init import has_meta_tensors, materialize_meta
 from lightning_autosp.sharded_mode import ShardedMode
+from lightning_autosp.compile_prep import prepare_for_compile
 from lightning_autosp.steps import StepRunner
 
 if TYPE_CHECKING:
@@ -186,6 +187,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         """Replicated: DDP (a model built on meta gets its values from its own initialisers
         first). Sharded: parameters become DTensor shards, read from ``pretrained`` or initialised
         one unit at a time."""
+        prepare_for_compile(module)
         if self._sharded is None:
             if has_meta_tensors(module):
                 materialize_meta(module, self.root_device)

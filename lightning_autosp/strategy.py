@@ -35,6 +35,7 @@ from lightning_autosp.passes.sac import SACConfig
 from lightning_autosp.sampler import make_resumable
 from lightning_autosp.sharded_init import has_meta_tensors
 from lightning_autosp.sharded_mode import ShardedMode
+from lightning_autosp.compile_prep import prepare_for_compile
 from lightning_autosp.steps import StepRunner
 
 if TYPE_CHECKING:
@@ -373,6 +374,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         assert module is not None
         if self._runner is None:
             self._runner = StepRunner(self._step_config, self.sp_size, self.sp_rank, self.sp_group, self.root_device)
+        prepare_for_compile(module)
         for name in _COMPILED_STEPS:
             if name not in module.__dict__:  # (compiled already by an earlier stage)
                 setattr(module, name, self._runner.compile(name, getattr(module, name)))

@@ -168,3 +168,17 @@ def packed_call(model, batch):
 
 def padded_call(model, batch):
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"], use_cache=False).loss
+
+
+class ModelZoo(nn.Module):
+    """Several models trained in one step: ``families`` is a list of ``(name, factory, loss)``,
+    :meth:`loss` the sum of each model's loss on the batch (each reads the fields it needs)."""
+
+    def __init__(self, families):
+        super().__init__()
+        self.families = families
+        self.models = nn.ModuleDict({name: factory() for name, factory, _ in families})
+
+    @staticmethod
+    def loss(zoo: "ModelZoo", batch) -> torch.Tensor:
+        return sum(loss(zoo.models[name], batch) for name, _, loss in zoo.families)

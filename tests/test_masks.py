@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from mask_models import (
     DocumentLM,
+    ModelZoo,
     PackedData,
     PaddedBothSides,
     document_loss,
@@ -39,14 +40,11 @@ FAMILIES = [
 ]
 
 
-class Zoo(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.models = nn.ModuleDict({name: factory() for name, factory, _ in FAMILIES})
+def Zoo():  # noqa: N802  (a model factory)
+    return ModelZoo(FAMILIES)
 
 
-def zoo_loss(zoo, batch):
-    return sum(loss(zoo.models[name], batch) for name, _, loss in FAMILIES)
+zoo_loss = ModelZoo.loss
 
 
 class ZooData(PackedData):

@@ -7,6 +7,9 @@ gathered copy; a mutation of one of them must not leave another stale. The polic
 * every alias of the mutated tensor (old nodes sharing its storage) is **replicated**, and no
   sharded value flows into the op: the op runs as on one device, and the cached slices of those
   aliases are dropped so that later uses slice the mutated value;
+* every alias is replicated and the op adds sequence-sharded values into it along the sequence
+  (``zeros(E).scatter_add_(0, expert_ids, mask)``, ``index_add_``): the rank's sums, added over
+  the SP group, are written into the replicated tensor;
 * every alias is **sequence-sharded** and the op's rule applies with the mutated tensor's own
   placement (``x.mul_(2)``, ``x += residual``, ``F.relu(x, inplace=True)``): the op runs on the
   local shard, and cached gathers of the aliases are dropped;
@@ -34,6 +37,9 @@ _INPLACE_FUNCTIONS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
     operator.iand, operator.ior, operator.ixor, operator.setitem,
 }
+
+#: ops whose rule sums sequence-sharded values into a replicated tensor (``zeros(E).scatter_add_(0, ids, w)``)
+_SUMS_INTO_REPLICATED = {"scatter_add", "index_add"}
 
 
 def mutated_input(rw: SPRewrite, node: fx.Node) -> Optional[fx.Node]:
@@ -67,6 +73,14 @@ def visit_inplace(
             new = rw.copy(node)
             rw.mutations.add(new)
             rw.record(node, new, rw.replicated_placement(node))
+            return
+        found = lookup(node)
+        result = found[1](rw, node, found[0]) if found is not None and found[0].name in _SUMS_INTO_REPLICATED else None
+        if result is not None and result[1] is REPLICATE:  # the whole result, overwriting the tensor
+            rw.redistribute.forget(aliases)
+            new = rw.graph.call_method("copy_", (rw.new_value[target], result[0]))
+            rw.mutations.add(new)
+            rw.record(node, new, REPLICATE)
             return
         raise _refusal(node, target, f"it writes {sharded_inflow[0].name}, which is split over the sequence, into a tensor that every rank holds whole")
     if not all(isinstance(p, Shard) for p in placements):

@@ -9,7 +9,9 @@ arithmetic), "dim" is a tensor dim.
 
 A tensor is either
 
-* :data:`REPLICATE` - every SP rank holds the full (global) value, or
+* :data:`REPLICATE` - every SP rank holds the full (global) value,
+* :data:`RANK_LOCAL` - inside a mixture-of-experts dispatch, this rank's rows in an order of
+  its own (:mod:`.sp_rules.expert_dispatch`), or
 * :class:`Shard` - rank ``r`` holds the part of the sequence axis that lies in its base chunk
   ``[r*c, (r+1)*c)``. The sequence axis lives in tensor dim ``dim``, possibly flattened with
   other axes as ``(outer, seq, inner)`` (e.g. ``logits.view(-1, V)`` gives ``outer=B``). A
@@ -34,24 +36,35 @@ from torch.utils._sympy.functions import FloorDiv
 
 from lightning_autosp.layout import chunk_size
 
-__all__ = ["Replicate", "REPLICATE", "Shard", "SizeEmitter", "shape_exprs", "is_polynomial_quotient", "is_tensor", "norm_dim"]
+__all__ = ["Replicate", "REPLICATE", "RankLocal", "RANK_LOCAL", "Shard", "SizeEmitter", "shape_exprs", "is_polynomial_quotient", "is_tensor", "norm_dim"]
 
 
-class Replicate:
-    """Every SP rank holds the full value."""
+class _Singleton:
+    """One instance per class, compared with ``is``."""
 
-    _instance = None
-
-    def __new__(cls):  # a singleton, compared with ``is``
-        if cls._instance is None:
+    def __new__(cls):
+        if cls.__dict__.get("_instance") is None:
             cls._instance = super().__new__(cls)
         return cls._instance
 
     def __repr__(self) -> str:
-        return "Replicate()"
+        return f"{type(self).__name__}()"
+
+
+class Replicate(_Singleton):
+    """Every SP rank holds the full value."""
 
 
 REPLICATE = Replicate()
+
+
+class RankLocal(_Singleton):
+    """A value computed from this rank's own rows in an order of its own (inside a
+    mixture-of-experts dispatch, :mod:`.sp_rules.expert_dispatch`): it has no global meaning,
+    so it is neither gathered nor sliced, and only its region reads it."""
+
+
+RANK_LOCAL = RankLocal()
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,11 @@ class SPPassStats:
     #: the graph inputs (placeholder names) the attention masks of the graph read, tiled or dense:
     #: e.g. ``L_batch_position_ids_`` when packed documents come from restarting position ids
     mask_inputs: set[str] = field(default_factory=set)
+    #: mixture-of-experts dispatches (a ``sort`` of the router's choices ... back in token order)
+    #: run on each rank's own rows (:mod:`.sp_rules.expert_dispatch`)
+    expert_dispatch: int = 0
+    #: sorts of sequence-sharded rows that could not run per rank, and why (each then runs replicated)
+    dispatch_rejections: list[str] = field(default_factory=list)
 
     @property
     def attention(self) -> int:
@@ -103,6 +108,8 @@ class SPRewrite:
         self.mutations: set[fx.Node] = set()  # new-graph nodes that mutate a tensor in place
         #: old node -> the hand-written attention chain it belongs to (filled by the driver)
         self.manual: dict[fx.Node, Any] = {}
+        #: old node -> the mixture-of-experts dispatch it belongs to (filled at the region's sort)
+        self.dispatch: dict[fx.Node, Any] = {}
         #: (score program, its leaves in the new graph, tile) -> the new graph's ``live_tiles`` of that mask
         self.live_tiles: dict[tuple, fx.Node] = {}
         self.redistribute = Redistributor(

@@ -91,6 +91,19 @@ def reduce_sum(x: torch.Tensor, dims, keepdim: bool, group_name: str, group_size
     return ops.all_reduce(local, group_name, group_size)
 
 
+def group_sum(x: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    """``x`` (each rank's partial result) summed over the SP group."""
+    return ops.all_reduce(x, group_name, group_size)
+
+
+def add_over_group(kind: str, d: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    """``d.scatter_add(dim, index, src)`` (``kind`` ``"scatter_add"``) or ``d.index_add(..)`` with
+    ``index`` and ``src`` this rank's tokens: the ranks' partial sums added over the SP group, then to ``d``."""
+    zeros = torch.zeros_like(d)
+    part = zeros.scatter_add(dim, index, src) if kind == "scatter_add" else zeros.index_add(dim, index, src)
+    return d + ops.all_reduce(part, group_name, group_size)
+
+
 def reduce_mean(x: torch.Tensor, dims, keepdim: bool, count, group_name: str, group_size: int, dtype=None) -> torch.Tensor:
     """Mean over dims that include the sharded axis; ``count`` is the global number of elements."""
     return reduce_sum(x, dims, keepdim, group_name, group_size, dtype) / count

@@ -45,10 +45,11 @@ from lightning_autosp.errors import AutoSPError, NoSequenceDim, user_source
 from lightning_autosp.layout import check_sequence_fits
 from lightning_autosp.passes.chunks import merge_row_chunks
 from lightning_autosp.passes.inplace import mutated_input, visit_inplace
-from lightning_autosp.passes.placement import hinted_bytes, is_tensor, shape_exprs
+from lightning_autosp.passes.placement import RANK_LOCAL, hinted_bytes, is_tensor, shape_exprs
 from lightning_autosp.passes.rewrite import SPPassStats, SPRewrite
 from lightning_autosp.passes.sp_rules import SDPA, SEQ_GATHER, SEQ_SCATTER, lookup
 from lightning_autosp.passes.sp_rules.attention import TILED_ATTENTION, exchanged_source
+from lightning_autosp.passes.sp_rules.expert_dispatch import emit_dispatch, is_row_sort, match_dispatch
 from lightning_autosp.passes.sp_rules.manual_attention import expected_all_to_alls, find_manual_attention, rewrite_manual_attention
 
 __all__ = ["sequence_parallel_pass", "SPPassStats", "SPRewrite", "find_sequence_symbol", "attention_offset", "SDPA", "SEQ_GATHER", "SEQ_SCATTER"]
@@ -162,6 +163,17 @@ def _visit(rw: SPRewrite, node: fx.Node) -> None:
         else:  # read only by the next step of the chain (checked by the match)
             rw.record(node, None, None)
         return
+    if node not in rw.dispatch and is_row_sort(node):
+        region = match_dispatch(rw, node)
+        if region is not None:  # a mixture-of-experts dispatch: run on the rank's own rows
+            rw.dispatch.update(dict.fromkeys(region.roles, region))
+            rw.stats.expert_dispatch += 1
+    region = rw.dispatch.get(node)
+    if region is not None:
+        return rw.record(node, *emit_dispatch(rw, region, node))
+    local = [n.name for n in node.all_input_nodes if rw.placements.get(n) is RANK_LOCAL]
+    if local:
+        raise AutoSPError(f"internal: {node.name} reads {local}, values local to a mixture-of-experts dispatch")
     mutated = mutated_input(rw, node)
     if mutated is not None:
         return visit_inplace(rw, node, mutated, lookup)

@@ -1,7 +1,8 @@
 """Rules for reductions and losses.
 
 A reduction over other dims stays sharded. A ``sum``/``mean`` over the sequence becomes a
-local sum all-reduced over the SP group (``mean`` divided by the global count);
+local sum all-reduced over the SP group (``mean`` divided by the global count), a ``histc`` of
+sharded values the sum of each rank's counts;
 ``cross_entropy``/``nll_loss`` become :func:`~lightning_autosp.passes.runtime.token_loss`,
 token-weighted and ``ignore_index``-aware, so the loss is the one of one device.
 
@@ -74,6 +75,16 @@ def reduce(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
         count *= shp[d]
     reduced = rw.graph.call_function(runtime.reduce_mean, (rw.new_value[x], dims, keepdim, rw.emit(count), *group, dtype))
     return reduced, REPLICATE
+
+
+@sp_rule(op("histc", torch.histc))
+def histogram(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
+    """``torch.histc`` of sequence-sharded values (a router's count of the tokens sent to each
+    expert, for a load-balancing loss): each rank counts its own tokens, the counts are summed
+    over the SP group - the counts of one device, exactly."""
+    if not rw.is_shard(node.args[0]) or len(rw.tensor_inputs(node)) != 1:
+        return None
+    return rw.graph.call_function(runtime.group_sum, (rw.copy(node), rw.group_name, rw.sp_size)), REPLICATE
 
 
 _LOSS_SIGNATURES = {F.cross_entropy: inspect.signature(F.cross_entropy), F.nll_loss: inspect.signature(F.nll_loss)}

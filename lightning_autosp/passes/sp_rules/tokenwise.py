@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from lightning_autosp.passes.placement import Shard, is_tensor, norm_dim
+from lightning_autosp.passes.placement import REPLICATE, Shard, is_tensor, norm_dim
 from lightning_autosp.passes.sp_rules.registry import OpCall, RuleResult, op, sp_rule
 
 if TYPE_CHECKING:
@@ -134,6 +134,8 @@ def index_along_dim(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     x = node.args[0]
     dim = _dim_arg(node, 1)
     shards = [rw.placements[n] for n in rw.tensor_inputs(node) if rw.is_shard(n)]
+    if call.name == "scatter_add" and dim is not None and not rw.is_shard(x):
+        return sum_over_tokens(rw, node, call)
     if dim is None or not shards or any(norm_dim(dim, rw.val(x).dim()) == s.dim for s in shards):
         return None
     # every tensor holds the same positions: the same dims, the same sequence length (an index
@@ -143,3 +145,37 @@ def index_along_dim(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     if any(rw.val(n).dim() != rw.val(x).dim() or rw.shape(n)[seq] != rw.shape(x)[seq] for n in tensors):
         return None
     return elementwise(rw, node, call)
+
+
+@sp_rule(op("index_add", torch.index_add))
+def sum_over_tokens(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
+    """``d.scatter_add(dim, index, src)`` and ``d.index_add(dim, index, src)`` with ``index`` and
+    ``src`` running along the sequence in ``dim`` into a replicated ``d`` (a load-balancing loss's
+    count of the tokens each expert got, padding masked out): each rank adds its own tokens into
+    zeros, the partial sums are added over the SP group and to ``d`` - one device's result. In
+    place (``scatter_add_``), ``d`` is then overwritten with it (:mod:`..inplace`)."""
+    from lightning_autosp.passes import runtime
+
+    d, dim, index, src = (*node.args, None, None, None)[:4]
+    dim = _dim_arg(node, 1)
+    index = node.kwargs.get("index", index)
+    src = node.kwargs.get("source" if call.name == "index_add" else "src", src)
+    if dim is None or set(node.kwargs) - {"dim", "index", "src", "source"} or len(node.args) > 4:
+        return None
+    if not (isinstance(index, fx.Node) and isinstance(src, fx.Node)) or rw.is_shard(d):
+        return None
+    index_dim, src_dim = norm_dim(dim, rw.val(index).dim()), norm_dim(dim, rw.val(src).dim())
+    shards = [p for p in (rw.placements.get(index), rw.placements.get(src)) if isinstance(p, Shard)]
+    if not shards or rw.shape(index)[index_dim] != rw.shape(src)[src_dim]:
+        return None
+    if call.name == "scatter_add" and rw.shape(index) != rw.shape(src):
+        return None
+    shard = shards[0]
+    if shard.dim != (index_dim if rw.is_shard(index) else src_dim) or any(not shard.same_layout(p) for p in shards):
+        return None
+    if len(shards) == 2 and index_dim != src_dim:
+        return None
+    new_index = rw.redistribute.to_shard(index, shard.with_dim(index_dim))  # the one held whole is sliced like the other
+    new_src = rw.redistribute.to_shard(src, shard.with_dim(src_dim))
+    args = (call.name, rw.new_value[d], dim, new_index, new_src, rw.group_name, rw.sp_size)
+    return rw.graph.call_function(runtime.add_over_group, args), REPLICATE
