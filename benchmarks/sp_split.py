@@ -7,7 +7,9 @@ replicated holds the whole sequence on every rank. Cases (small configs, AutoSP'
 the aot_eager backend):
 
 * ``hf-llama``: Hugging Face Llama, ``model(input_ids, labels, use_cache=False).loss``;
-* ``hf-mixtral`` / ``hf-qwen3_moe``: Hugging Face mixtures of experts (top-2 of 4 experts);
+* ``hf-mixtral`` / ``hf-qwen3_moe`` / ``hf-deepseek_v3``: Hugging Face mixtures of experts (top-2 of
+  4 experts; Mixtral with its load-balancing loss, ``output_router_logits=True``; DeepSeek-V3 with
+  grouped routing and a dense first layer);
 * ``litgpt-pretrain``: LitGPT's Llama (GQA, ``repeat_interleave``) with its pretraining loss,
   ``chunked_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])`` (chunks of 128 rows);
 * ``litgpt-finetune``: the same model with its fine-tuning loss, ``model(x, lm_head_chunk_size=128)``,
@@ -32,9 +34,10 @@ import torch.distributed as dist
 from _common import MiB, SavedBytes, arguments, finish, machine, parser, run_distributed
 
 from lightning_autosp.backend import AutoSPBackend
+from lightning_autosp.compile_prep import prepare_for_compile
 from lightning_autosp.passes.sac import SACConfig
 
-CASES = ("hf-llama", "hf-mixtral", "hf-qwen3_moe", "litgpt-pretrain", "litgpt-finetune")
+CASES = ("hf-llama", "hf-mixtral", "hf-qwen3_moe", "hf-deepseek_v3", "litgpt-pretrain", "litgpt-finetune")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -75,7 +78,13 @@ def build(case: str, args: argparse.Namespace):
     if case == "hf-llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif case == "hf-mixtral":
-        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True))
+    elif case == "hf-deepseek_v3":
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+            n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16))
     else:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16))
@@ -116,6 +125,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
 
 def _in_group(rank: int, sp: int, case: str, args: argparse.Namespace, ids: torch.Tensor, group) -> tuple[int, list[str]]:
     model, loss = build(case, args)
+    prepare_for_compile(model)  # as AutoSPStrategy does (Hugging Face's lazy hooks would break the graph)
     backend = AutoSPBackend(sp_size=sp, sp_rank=rank, group_name=group.group_name, backend="aot_eager", sac=SACConfig())
     compiled = torch.compile(lambda x: loss(model, x), backend=backend)
     x = ids.clone()
