@@ -13,7 +13,9 @@ the aot_eager backend):
 * ``litgpt-pretrain``: LitGPT's Llama (GQA, ``repeat_interleave``) with its pretraining loss,
   ``chunked_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])`` (chunks of 128 rows);
 * ``litgpt-finetune``: the same model with its fine-tuning loss, ``model(x, lm_head_chunk_size=128)``,
-  the last chunk shifted, ``chunked_cross_entropy`` over the list.
+  the last chunk shifted, ``chunked_cross_entropy`` over the list;
+* ``litgpt-moe``: LitGPT's Mixtral (``LLaMAMoE``, top-2 of 4 experts routed with ``torch.where(mask)``)
+  with the pretraining loss.
 
 Per case: autograd's saved bytes per rank (``saved_tensors_hooks``, rank 0) at each sp, the ratio
 to sp=1 (1/P is the ideal; the gap is what stays replicated: weights' gradients are not counted,
@@ -37,7 +39,7 @@ from lightning_autosp.backend import AutoSPBackend
 from lightning_autosp.compile_prep import prepare_for_compile
 from lightning_autosp.passes.sac import SACConfig
 
-CASES = ("hf-llama", "hf-mixtral", "hf-qwen3_moe", "hf-deepseek_v3", "litgpt-pretrain", "litgpt-finetune")
+CASES = ("hf-llama", "hf-mixtral", "hf-qwen3_moe", "hf-deepseek_v3", "litgpt-pretrain", "litgpt-finetune", "litgpt-moe")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -56,11 +58,12 @@ def build(case: str, args: argparse.Namespace):
         from litgpt.model import GPT, Config
         from litgpt.utils import chunked_cross_entropy
 
+        moe = dict(n_expert=4, n_expert_per_token=2) if case == "litgpt-moe" else {}
         config = Config.from_name(
-            "Llama-3.2-1B", n_layer=2, n_embd=64, n_head=4, head_size=16, n_query_groups=2, intermediate_size=128,
-            vocab_size=args.vocab, padded_vocab_size=args.vocab, block_size=args.seq_len,
+            "Mixtral-8x7B-v0.1" if moe else "Llama-3.2-1B", n_layer=2, n_embd=64, n_head=4, head_size=16, n_query_groups=2,
+            intermediate_size=128, vocab_size=args.vocab, padded_vocab_size=args.vocab, block_size=args.seq_len, **moe,
         )
-        if case == "litgpt-pretrain":
+        if case in ("litgpt-pretrain", "litgpt-moe"):
             def loss(model, ids):
                 return chunked_cross_entropy(model(ids[:, :-1]), ids[:, 1:])
         else:
@@ -130,10 +133,12 @@ def _in_group(rank: int, sp: int, case: str, args: argparse.Namespace, ids: torc
     compiled = torch.compile(lambda x: loss(model, x), backend=backend)
     x = ids.clone()
     torch._dynamo.mark_dynamic(x, 1)
-    compiled(x).backward()  # compile
-    saved = SavedBytes([*model.parameters(), *model.buffers(), x])
-    with saved.hooks():
-        out = compiled(x)
+    # as AutoSPStrategy compiles steps: data-dependent shapes (LitGPT's router) traced into the graph
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled(x).backward()  # compile
+        saved = SavedBytes([*model.parameters(), *model.buffers(), x])
+        with saved.hooks():
+            out = compiled(x)
     out.backward()
     fallbacks = [f for s in backend.pass_stats for f in s.fallbacks]
     torch._dynamo.reset()

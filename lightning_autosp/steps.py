@@ -90,8 +90,10 @@ class StepRunner:
 
         def step(*args: Any, **kwargs: Any) -> Any:
             # Dynamo's DDP optimizer would split our graph per gradient bucket; the SP pass needs
-            # the whole step in one graph, and DDP still overlaps the gradient all-reduce.
-            with torch._dynamo.config.patch(optimize_ddp=False):
+            # the whole step in one graph, and DDP still overlaps the gradient all-reduce. Ops whose
+            # output shape depends on the data (a router's torch.where(mask)) are traced into the
+            # graph with data-dependent sizes instead of breaking it before the experts.
+            with torch._dynamo.config.patch(optimize_ddp=False, capture_dynamic_output_shape_ops=True):
                 return compiled(*args, **kwargs)
 
         step.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -343,11 +345,10 @@ def _describe_breaks(breaks: Counter) -> str:
         "print/logging calls from forward, replace data-dependent Python branches with torch.where, "
         "and keep such code in training_step after the loss (TORCH_LOGS=graph_breaks shows where they are)."
         + (
-            "\nAn op whose output shape depends on the data (`torch.where(mask)` with one argument, `nonzero`, "
-            "indexing with a boolean mask - e.g. a mixture-of-experts router that gathers each expert's tokens, "
-            "as LitGPT's LLaMAMoE does) cannot be traced into the graph AutoSP splits: such a model is not supported. "
-            "Route with fixed shapes instead (every expert on every token, weighted by its gate; or a "
-            "scatter/gather by expert index with a fixed capacity)."
+            "\nA value the model reads from the data into Python (`.item()`, `.tolist()`, `if tensor:`), or an op "
+            "with a data-dependent output shape that Dynamo cannot trace, cannot be part of the graph AutoSP splits. "
+            "Keep such values tensors (`torch.where(cond, a, b)` for a branch); ops such as `torch.where(mask)` and "
+            "`nonzero` (a mixture-of-experts router gathering each expert's tokens) are traced with data-dependent sizes."
             if data_dependent else ""
         )
     )

@@ -506,8 +506,10 @@ class TraceStop(Exception):
 
 
 def hint_int(size) -> int:
-    """A size at the sizes the step was traced with."""
-    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+    """A size at the sizes the step was traced with (a data-dependent one at its upper bound)."""
+    from lightning_autosp.passes.placement import hinted_size
+
+    return hinted_size(size)
 
 
 def trace_rank(step, inputs, attention_tile=0, sp_size=2, sp_rank=0, **pass_kwargs):

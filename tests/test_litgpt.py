@@ -26,7 +26,7 @@ FAMILIES = {
     "falcon": ("falcon-7b", dict(n_query_groups=1)),  # MQA (1 KV head for 2 ranks), one norm shared by attention and MLP
     # soft-capped logits (attention written by hand), GeGLU, extra norms; its sliding-window layers off
     "gemma2": ("Gemma-2-2b", dict(n_query_groups=2, intermediate_size=64, sliding_window_size=None)),
-    "mixtral": (  # a mixture of experts routed with torch.where(mask): data-dependent shapes
+    "mixtral": (  # a mixture of experts routed with torch.where(mask): data-dependent sizes
         "Mixtral-8x7B-v0.1", dict(n_query_groups=2, intermediate_size=64, n_expert=4, n_expert_per_token=2)
     ),
 }
@@ -66,19 +66,23 @@ def finetune_loss(model: GPT, batch) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "family,recipe",
+    "family,recipe,devices",
     [
-        ("llama", "pretrain"), ("pythia", "pretrain"), ("falcon", "pretrain"), ("gemma2", "pretrain"),
-        ("llama", "pretrain-chunk8"), ("llama", "finetune"),
+        ("llama", "pretrain", 2), ("pythia", "pretrain", 2), ("falcon", "pretrain", 2), ("gemma2", "pretrain", 2),
+        ("llama", "pretrain-chunk8", 2), ("llama", "finetune", 2), ("mixtral", "pretrain", 4), ("mixtral", "finetune", 4),
     ],
 )
-def test_litgpt_matches_one_device(tmp_path, family, recipe):
-    """18 tokens: the pretraining recipe's 17 positions split 9 + 8 over the two ranks."""
+def test_litgpt_matches_one_device(tmp_path, family, recipe, devices):
+    """18 tokens: the pretraining recipe's 17 positions split 9 + 8 over the two ranks of an SP
+    group; LitGPT's Mixtral (Llama with a mixture of experts) at dp=2 x sp=2."""
     factory = lambda: tiny_gpt(family)  # noqa: E731
     loss_fn = {"pretrain": pretrain_loss, "pretrain-chunk8": pretrain_loss_chunk8, "finetune": finetune_loss}[recipe]
-    run = run_fit(tmp_path, FnModule(factory, loss_fn, log_loss=False), TokenData(8, 18), devices=2, sp_size=2, steps=2)
+    run = run_fit(tmp_path, FnModule(factory, loss_fn, log_loss=False), TokenData(4 * devices, 18), devices=devices, sp_size=2, steps=2)
     check_against_references(run, 2, factory, loss_fn)
     graphs = run.ranks[0]["graphs"]["training_step"]
+    # LLaMAMoE routes with torch.where(mask) per expert: traced with data-dependent sizes, each of
+    # the 4 experts of the 2 layers runs on the rank's own tokens
+    assert sum(g.expert_dispatch for g in graphs) == (8 if family == "mixtral" else 0)
     assert sum(g.attention for g in graphs) == 2
     assert sum(g.manual_attention for g in graphs) == (2 if family == "gemma2" else 0)
     # Gemma-2's soft-capped attention adds a mask it builds as ones(S, S).triu(1).masked_fill_(..): tiled
@@ -93,14 +97,6 @@ def test_litgpt_matches_one_device(tmp_path, family, recipe):
     assert sum(g.merged_losses for g in graphs) == (1 if recipe == "finetune" else 2)
     # Gemma-2 soft-caps the logits before the loss: its rank's logits exist, not fused
     assert sum(g.fused_losses for g in graphs) == (0 if family == "gemma2" else 1)
-
-
-def test_litgpt_moe_router_is_a_clear_error(tmp_path):
-    """LitGPT's LLaMAMoE gathers each expert's tokens with ``torch.where(mask)``: a shape that
-    depends on the data, which Dynamo cannot trace. The error names the op and the way out."""
-    factory = lambda: tiny_gpt("mixtral")  # noqa: E731
-    with pytest.raises(Exception, match=r"(?s)aten\.nonzero.*mixture-of-experts router.*not supported.*fixed shapes"):
-        run_fit(tmp_path, FnModule(factory, pretrain_loss, log_loss=False), TokenData(4, 18), devices=2, sp_size=2, steps=1)
 
 
 def test_litgpt_sliding_window_mask_is_a_clear_error(tmp_path):

@@ -96,11 +96,22 @@ def is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
+def hinted_size(size: Any) -> int:
+    """A size at the batch it was traced with; a data-dependent size (the rows ``torch.where``
+    picks) at its upper bound, 0 when it has none."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    if size.node.hint is not None:
+        return int(size.node.hint)
+    upper = size.node.shape_env.bound_sympy(size.node.expr).upper
+    return int(upper) if upper.is_finite else 0
+
+
 def hinted_bytes(value: Any) -> int:
     """Bytes of a fake tensor at the sizes of the batch it was traced with."""
     numel = 1
     for size in value.shape:
-        numel *= int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else int(size)
+        numel *= hinted_size(size)
     return numel * value.element_size()
 
 

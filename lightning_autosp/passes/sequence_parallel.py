@@ -49,7 +49,7 @@ from lightning_autosp.passes.placement import RANK_LOCAL, hinted_bytes, is_tenso
 from lightning_autosp.passes.rewrite import SPPassStats, SPRewrite
 from lightning_autosp.passes.sp_rules import SDPA, SEQ_GATHER, SEQ_SCATTER, lookup
 from lightning_autosp.passes.sp_rules.attention import TILED_ATTENTION, exchanged_source
-from lightning_autosp.passes.sp_rules.expert_dispatch import emit_dispatch, is_row_sort, match_dispatch
+from lightning_autosp.passes.sp_rules.expert_dispatch import emit_dispatch, match_dispatch, starts_dispatch
 from lightning_autosp.passes.sp_rules.manual_attention import expected_all_to_alls, find_manual_attention, rewrite_manual_attention
 
 __all__ = ["sequence_parallel_pass", "SPPassStats", "SPRewrite", "find_sequence_symbol", "attention_offset", "SDPA", "SEQ_GATHER", "SEQ_SCATTER"]
@@ -163,7 +163,7 @@ def _visit(rw: SPRewrite, node: fx.Node) -> None:
         else:  # read only by the next step of the chain (checked by the match)
             rw.record(node, None, None)
         return
-    if node not in rw.dispatch and is_row_sort(node):
+    if node not in rw.dispatch and starts_dispatch(node):
         region = match_dispatch(rw, node)
         if region is not None:  # a mixture-of-experts dispatch: run on the rank's own rows
             rw.dispatch.update(dict.fromkeys(region.roles, region))

@@ -40,19 +40,21 @@ import sympy
 import torch
 import torch.fx as fx
 
-from lightning_autosp.passes.placement import RANK_LOCAL, REPLICATE, Shard, is_polynomial_quotient, is_tensor, norm_dim
+from lightning_autosp.passes.placement import RANK_LOCAL, REPLICATE, Shard, is_polynomial_quotient, is_tensor, norm_dim, shape_exprs
 from lightning_autosp.passes.sp_rules.registry import calls, lookup
 from lightning_autosp.passes.sp_rules.shape import ELEMENTWISE_OPS
 
 if TYPE_CHECKING:
     from lightning_autosp.passes.rewrite import SPRewrite
 
-__all__ = ["Dispatch", "is_row_sort", "match_dispatch", "emit_dispatch"]
+__all__ = ["Dispatch", "starts_dispatch", "match_dispatch", "emit_dispatch"]
 
 #: row-wise steps on permuted rows: elementwise ops (the names :func:`~.registry.lookup` gives)
 _ELEMENTWISE = {spelling.name for spelling in ELEMENTWISE_OPS} - {"copy"}
 #: dtype and layout conversions: the role of their first argument passes through
 _CONVERSIONS = {"to", "float", "half", "bfloat16", "double", "int", "long", "type", "contiguous", "clone", "detach"}
+#: comparisons of a count with bounds (the runtime checks Dynamo adds for data-dependent sizes)
+_COMPARISONS = (operator.ge, operator.gt, operator.le, operator.lt, operator.eq, operator.ne)
 #: reductions over feature dims (never dim 0, the rows)
 _FEATURE_REDUCTIONS = {"sum", "mean", "amax", "amin"}
 
@@ -83,8 +85,14 @@ def _name(node: fx.Node) -> Optional[str]:
     return name if node.op == "call_function" and getattr(torch, str(name), None) is node.target else None
 
 
-def is_row_sort(node: fx.Node) -> bool:
-    return calls(node, "sort") or calls(node, "argsort")
+def _is_select(node: fx.Node) -> bool:
+    """``torch.where(mask)``: the coordinates of the true elements (rows of data-dependent count)."""
+    return calls(node, "where") and len(node.args) == 1 and not node.kwargs
+
+
+def starts_dispatch(node: fx.Node) -> bool:
+    """``node`` may start a dispatch region: a sort of rows, or the rows a mask selects."""
+    return calls(node, "sort") or calls(node, "argsort") or _is_select(node)
 
 
 def _is_grouped_mm(node: fx.Node) -> bool:
@@ -104,10 +112,11 @@ class _Reject(Exception):
 
 
 class _Matcher:
-    def __init__(self, rw: "SPRewrite", sort: fx.Node, rows: Shard, n_rows: sympy.Expr):
+    def __init__(self, rw: "SPRewrite", sort: fx.Node, rows: Shard, src_rows: sympy.Expr, n_rows: sympy.Expr):
         self.rw = rw
         self.d = Dispatch(sort, rows)
-        self.n_rows = n_rows
+        self.src_rows = src_rows  # rows of the sorted (or masked) tensor, in token order
+        self.n_rows = n_rows  # rows of the region (the same for a sort; those selected by a mask)
         self.seq_symbols = rw.seq.free_symbols
         self.written: set[fx.Node] = set()
 
@@ -136,7 +145,7 @@ class _Matcher:
     def outside(self, node: fx.Node) -> list[fx.Node]:
         return [a for a in node.all_input_nodes if a not in self.d.roles]
 
-    def only_weights_outside(self, node: fx.Node, allowed: tuple[str, ...] = ("rows", "keys")) -> None:
+    def only_weights_outside(self, node: fx.Node, allowed: tuple[str, ...] = ("rows", "keys", "coords")) -> None:
         for a in node.all_input_nodes:
             r = self.role(a)
             if (r is None and not self.weight_like(a)) or (r is not None and r not in allowed):
@@ -155,6 +164,14 @@ class _Matcher:
         name = _name(node)
         if node.op == "output":
             raise _Reject("the permuted rows are returned")
+        if node.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default) or name in ("size", "numel"):
+            return "size"  # the region's row count: its own rows on this rank, read only by the checks below
+        if any(self.role(a) == "size" for a in node.all_input_nodes):  # Dynamo's checks of a data-dependent count
+            if node.target in _COMPARISONS and not any(isinstance(a, fx.Node) and self.role(a) != "size" for a in node.args):
+                return "size"
+            if node.target is torch.ops.aten._assert_scalar.default:
+                return "assert"
+            raise _Reject(f"{node.name} uses the number of rows the region holds, a count of this rank's rows only")
         if node.target is operator.getitem:
             return self._getitem(node)
         if node.target is operator.setitem:
@@ -197,16 +214,23 @@ class _Matcher:
         base, idx = node.args
         rb, ri = self.role(base), self.role(idx)
         if rb == "sort":
-            if self.d.sort.target is torch.argsort or self.d.sort.target == "argsort":
-                raise _Reject("argsort has one result")
             if idx == 0:
                 return "keys"
             self.d.divisor[node] = 1
             return "index"
+        if rb == "select":  # the selected rows' row numbers, then their other coordinates
+            if idx == 0:
+                self.d.divisor[node] = 1
+                return "index"
+            return "coords"
         if rb == "pieces" and isinstance(idx, int):
             return "rows"
         if ri == "index" and rb is None:  # each row's token (or its routing weight) from the token-ordered rows
             return self._gather(node, base, self.d.divisor[idx])
+        if isinstance(idx, tuple) and idx and self.role(idx[0]) == "index" and rb is None:  # probs[rows, cols, None]
+            if not all(i is None or i == slice(None) or self.role(i) in ("coords", "keys") for i in idx[1:]):
+                raise _Reject(f"{node.name} indexes {base.name} by values from outside the region")
+            return self._gather(node, base, self.d.divisor[idx[0]])
         if ri == "keys" and rb is None:  # a per-expert parameter for each row (an expert bias)
             if not self.weight_like(base):
                 raise _Reject(f"{node.name} indexes {base.name} by expert")
@@ -225,13 +249,15 @@ class _Matcher:
         if not is_tensor(val) or val.dim() < 1:
             raise _Reject(f"{node.name} gathers from a non-tensor")
         inner = is_polynomial_quotient(rows.inner, divisor)
-        if inner is None or sympy.simplify(rw.shape(base)[0] * divisor - self.n_rows) != 0:
+        if inner is None or sympy.simplify(rw.shape(base)[0] * divisor - self.src_rows) != 0:
             raise _Reject(f"{node.name} gathers from {base.name}, whose rows are not the region's tokens")
         self.d.gathered[node] = Shard(0, rows.length, inner, rows.off)
         return "rows"
 
     def _setitem(self, node: fx.Node) -> str:
         buf, idx, value = node.args
+        if self.role(buf) is None and self.role(idx) == "index" and self.role(value) == "rows":
+            return self._write_back(node, buf, self.d.divisor[idx])
         if self.role(buf) != "buffer" or self.role(idx) != "index" or self.d.divisor[idx] != 1 or buf in self.written:
             raise _Reject(f"{node.name} writes into the region's values")
         if not (isinstance(value, fx.Node) and value.op == "call_function" and value.target is torch.arange
@@ -242,6 +268,18 @@ class _Matcher:
         self.written.add(buf)
         self.d.aranges[node] = value
         return "write"
+
+    def _write_back(self, node: fx.Node, y: fx.Node, divisor: int) -> str:
+        """``y[token_idx] = rows``: the rows written back at their tokens, into a tensor split
+        like them (the experts' output buffer)."""
+        rows = self.d.rows
+        inner = is_polynomial_quotient(rows.inner, divisor)
+        placement = self.rw.placements.get(y)
+        if inner is None or not (isinstance(placement, Shard) and placement.dim == 0 and placement.same_layout(
+            Shard(0, rows.length, inner, rows.off)
+        )) or sympy.simplify(self.rw.shape(y)[0] * divisor - self.src_rows) != 0:
+            raise _Reject(f"{node.name} writes the rows into {y.name}, which is not split like their tokens")
+        return "write_back"
 
     def _rowwise(self, node: fx.Node, name: Optional[str]) -> str:
         if node.op not in ("call_function", "call_method") or name is None:
@@ -297,7 +335,8 @@ class _Matcher:
         raise _Reject(f"{node.name} ({name}) is not a row-wise step")
 
     def run(self) -> Dispatch:
-        self.d.roles[self.d.sort] = "index" if self.d.sort.target in (torch.argsort, "argsort") else "sort"
+        root = self.d.sort
+        self.d.roles[root] = "select" if _is_select(root) else "index" if calls(root, "argsort") else "sort"
         if self.d.roles[self.d.sort] == "index":
             self.d.divisor[self.d.sort] = 1
         started = False
@@ -308,7 +347,7 @@ class _Matcher:
             if not started or not any(a in self.d.roles and self.d.roles[a] != "out" for a in node.all_input_nodes):
                 continue
             self.d.roles[node] = self.classify(node)
-        if "out" not in self.d.roles.values():
+        if not {"out", "write_back"} & set(self.d.roles.values()):
             raise _Reject("the permuted rows are never put back in token order")
         leftover = [n for n, r in self.d.roles.items() if r == "buffer" and n not in self.written]
         if leftover:
@@ -322,11 +361,17 @@ def match_dispatch(rw: "SPRewrite", sort: fx.Node) -> Optional[Dispatch]:
     x = sort.args[0] if sort.args else sort.kwargs.get("input")
     placement = rw.placements.get(x) if isinstance(x, fx.Node) else None
     val = rw.val(x) if isinstance(x, fx.Node) else None
-    dim = sort.kwargs.get("dim", sort.args[1] if len(sort.args) > 1 and isinstance(sort.args[1], int) else -1)
-    if not (isinstance(placement, Shard) and placement.dim == 0 and is_tensor(val) and val.dim() == 1 and dim in (0, -1)):
+    if not (isinstance(placement, Shard) and placement.dim == 0 and is_tensor(val) and val.dim() >= 1):
         return None
+    if _is_select(sort):  # the rows of the mask's true elements: as many as the data says
+        n_rows = shape_exprs(rw.val(sort)[0])[0]
+    else:
+        dim = sort.kwargs.get("dim", sort.args[1] if len(sort.args) > 1 and isinstance(sort.args[1], int) else -1)
+        if val.dim() != 1 or dim not in (0, -1):
+            return None
+        n_rows = rw.shape(x)[0]
     try:
-        return _Matcher(rw, sort, placement, rw.shape(x)[0]).run()
+        return _Matcher(rw, sort, placement, rw.shape(x)[0], n_rows).run()
     except _Reject as why:
         rw.stats.dispatch_rejections.append(f"{sort.name}: {why}")
         return None
@@ -343,9 +388,15 @@ def emit_dispatch(rw: "SPRewrite", d: Dispatch, node: fx.Node) -> tuple[Any, Any
         new = rw.copy(node, (rw.new_value[buf], rw.new_value[idx], local))
         rw.mutations.add(new)
         return new, None
+    if role == "write_back":  # y[token_idx] = rows: this rank's tokens of y, written in place
+        y = node.args[0]
+        new = rw.copy(node)
+        rw.mutations.add(new)
+        rw.redistribute.forget(rw.aliases(y))
+        return new, None
     if node in d.gathered:  # token-ordered rows (this rank's tokens) indexed by the local permutation
         base, idx = node.args
-        return rw.copy(node, (_rank_rows(rw, base, d.gathered[node]), rw.new_value[idx])), RANK_LOCAL
+        return rw.copy(node, (_rank_rows(rw, base, d.gathered[node]), rw.new(idx))), RANK_LOCAL
     if role == "out":
         return rw.copy(node), d.rows
     if role == "rows" and _name(node) in ("view", "reshape"):  # the rows dim is the rank's: -1
@@ -354,7 +405,9 @@ def emit_dispatch(rw: "SPRewrite", d: Dispatch, node: fx.Node) -> tuple[Any, Any
         rest = list(node.args[1] if packed else node.args[1:])[1:]
         return rw.copy(node, (rw.new_value[x], -1, *rest)), RANK_LOCAL
     new = rw.copy(node)
-    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"):
+    if role == "size":
+        return new, None
+    if role == "assert" or (node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__")):
         rw.mutations.add(new)  # in place on permuted rows (an expert bias added with add_)
     val = rw.val(node)
     if isinstance(val, (tuple, list)):
