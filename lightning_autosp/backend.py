@@ -233,6 +233,12 @@ class AutoSPBackend:
         # The AOT autograd cache would skip partitioning (and so our records) on a hit; inductor's
         # FX graph cache still serves the compiled kernels.
         patches: dict[str, Any] = {"custom_partitioner_fn": partitioner, "post_grad_custom_post_pass": bucketing}
+        if hasattr(torch._inductor.config, "reorder_for_peak_memory"):
+            # Inductor's peak-memory reordering moves independent ops by the sizes of their buffers,
+            # which differ between SP ranks holding different token counts (31 tokens: 16 and 15):
+            # it ordered the ranks' all-to-alls differently (rank 0 sending q while rank 1 sent v in
+            # DeepSeek-V3), a collective mismatch. Every rank keeps the graph's order of collectives.
+            patches["reorder_for_peak_memory"] = False
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(gm, example_inputs, config_patches=patches)
 

@@ -42,24 +42,31 @@ FAMILIES = [
 ]
 
 
-def MoEZoo():  # noqa: N802  (a model factory)
-    return ModelZoo(FAMILIES)
-
-
-moe_loss = ModelZoo.loss
+#: the default configuration's test: the Hugging Face dispatch (DeepSeek-V3) and the one written out
+INDUCTOR_FAMILIES = ("deepseek_v3", "sorted_dispatch_written_out")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices,sp_size", [(2, 2), (4, 2)], ids=["sp2", "dp2xsp2"])
-def test_experts_run_on_the_rank_tokens(tmp_path, devices, sp_size):
+@pytest.mark.parametrize(
+    "devices,sp_size,backend", [(2, 2, "inductor"), (4, 2, "aot_eager")], ids=["sp2-inductor", "dp2xsp2"]
+)
+def test_experts_run_on_the_rank_tokens(tmp_path, devices, sp_size, backend):
     """31 tokens split 16 + 15: loss and gradients equal one device (the aux loss's counts and
-    means summed over the SP group), no op runs replicated, every dispatch runs per rank."""
-    run = run_fit(tmp_path, FnModule(MoEZoo, moe_loss, log_loss=False), PaddedBothSides(4 * devices, 31), devices=devices, sp_size=sp_size)
-    loss_err, grad_err, naive = check_against_references(run, sp_size, MoEZoo, moe_loss)
-    print(f"MoE zoo {devices} devices sp{sp_size}: loss {loss_err:.2e} grad {grad_err:.2e} (naive: grad {naive:.2e})")
+    means summed over the SP group), no op runs replicated, every dispatch runs per rank. At sp=2
+    in the default configuration (inductor, SAC), two of the models (inductor compiles slowly on
+    2 cores): the ranks' different token counts once made inductor order their all-to-alls
+    differently (DeepSeek-V3), a collective mismatch."""
+    families = FAMILIES if backend == "aot_eager" else [f for f in FAMILIES if f[0] in INDUCTOR_FAMILIES]
+    factory = lambda: ModelZoo(families)  # noqa: E731
+    run = run_fit(
+        tmp_path, FnModule(factory, ModelZoo.loss, log_loss=False), PaddedBothSides(4 * devices, 31), devices=devices,
+        sp_size=sp_size, backend=backend,
+    )
+    loss_err, grad_err, naive = check_against_references(run, sp_size, factory, ModelZoo.loss)
+    print(f"MoE zoo {devices} devices sp{sp_size} {backend}: loss {loss_err:.2e} grad {grad_err:.2e} (naive: grad {naive:.2e})")
     graphs = run.ranks[0]["graphs"]["training_step"]
     assert [f for g in graphs for f in g.fallbacks] == []
-    assert sum(g.expert_dispatch for g in graphs) == 4
+    assert sum(g.expert_dispatch for g in graphs) == len(families)
 
 
 @pytest.mark.slow
