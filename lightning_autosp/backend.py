@@ -230,15 +230,11 @@ class AutoSPBackend:
             return aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partitioner, keep_inference_input_mutations=True)(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
 
+        bucketing = _BucketPass(self.bucket_stats, merge=self.bucket_collectives, ordered=True)
+
         # The AOT autograd cache would skip partitioning (and so our records) on a hit; inductor's
         # FX graph cache still serves the compiled kernels.
         patches: dict[str, Any] = {"custom_partitioner_fn": partitioner, "post_grad_custom_post_pass": bucketing}
-        if hasattr(torch._inductor.config, "reorder_for_peak_memory"):
-            # Inductor's peak-memory reordering moves independent ops by the sizes of their buffers,
-            # which differ between SP ranks holding different token counts (31 tokens: 16 and 15):
-            # it ordered the ranks' all-to-alls differently (rank 0 sending q while rank 1 sent v in
-            # DeepSeek-V3), a collective mismatch. Every rank keeps the graph's order of collectives.
-            patches["reorder_for_peak_memory"] = False
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(gm, example_inputs, config_patches=patches)
 
@@ -275,20 +271,40 @@ class AutoSPBackend:
 class _BucketPass(CustomGraphPass):
     """:func:`~lightning_autosp.passes.bucketing.bucket_parameter_collectives_pass` on each
     partitioned graph (inductor's ``post_grad_custom_post_pass``, or before aot_eager runs it);
-    appends each graph's :class:`BucketStats` to ``stats``; ``merge=False`` only counts."""
+    appends each graph's :class:`BucketStats` to ``stats``; ``merge=False`` only counts;
+    ``ordered``: AutoSP's collectives then keep their order through inductor's scheduler."""
 
-    def __init__(self, stats: list[BucketStats], merge: bool = True) -> None:
-        self.stats, self.merge = stats, merge
+    def __init__(self, stats: list[BucketStats], merge: bool = True, ordered: bool = False) -> None:
+        self.stats, self.merge, self.ordered = stats, merge, ordered
 
     def __call__(self, graph: fx.Graph) -> None:
         stats = BucketStats()
         bucket_parameter_collectives_pass(graph.owning_module, stats, merge=self.merge)
         self.stats.append(stats)
+        if self.ordered:
+            _keep_collective_order(graph)
 
     def uuid(self) -> Any:
         from lightning_autosp.passes import bucketing
 
-        return (get_hash_for_files((bucketing.__file__,)), self.merge)
+        return (get_hash_for_files((bucketing.__file__, __file__)), self.merge, self.ordered)
+
+
+def _keep_collective_order(graph: fx.Graph) -> None:
+    """Make each of AutoSP's collectives depend on the one before it in the graph (torch's
+    ``control_deps``), so that inductor's scheduler cannot reorder them. The SP ranks' graphs
+    differ in their sizes (31 tokens: 16 and 15), and the scheduler orders independent ops by
+    sizes: it ran DeepSeek-V3's q/k/v exchanges in different orders on two ranks, a collective
+    mismatch (gloo aborts, NCCL hangs). Without ``control_deps`` (older torch) the graph is left as it is."""
+    try:
+        from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+        from torch.utils._ordered_set import OrderedSet
+    except ImportError:
+        return
+    from lightning_autosp.ops import _NS
+
+    collectives = [n for n in graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == _NS]
+    preserve_node_ordering(graph, {b: OrderedSet([a]) for a, b in zip(collectives, collectives[1:])})
 
 
 def _example_values(gm: fx.GraphModule) -> list[Any]:
