@@ -25,7 +25,7 @@ COMPAT_TESTS := tests/test_compat.py tests/test_strategy.py tests/test_pass.py t
 	tests/test_any_model.py::test_hugging_face_decoders tests/test_errors.py \
 	tests/test_memory_monitor.py::test_autosp_with_sac tests/test_cli.py tests/test_fsdp.py tests/test_checkpoints.py \
 	tests/test_failures.py::test_fork_launch_in_a_notebook tests/test_failures.py::test_forkserver_launch_gives_each_rank_its_own_parameters \
-	'tests/test_litgpt.py::test_litgpt_matches_one_device[llama-pretrain-2]' tests/test_fabric.py
+	'tests/test_litgpt.py::test_litgpt_matches_one_device[llama-pretrain-2]' tests/test_fabric.py tests/test_moe.py
 
 .PHONY: demo test install benchmarks test-compat
 install: $(VENV)/.installed
