@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -22,6 +23,8 @@ from lightning_autosp.passes.bucketing import BucketStats, bucket_parameter_coll
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner
 
 __all__ = ["AutoSPBackend", "CompiledStep", "SUPPORTED_BACKENDS", "AOT_BACKENDS"]
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_BACKENDS = ("inductor", "aot_eager", "eager")
 #: the backends that build the AOT joint graph, which SAC partitions and whose saves are recorded
@@ -231,6 +234,16 @@ class AutoSPBackend:
         from torch._inductor.compile_fx import compile_fx
 
         bucketing = _BucketPass(self.bucket_stats, merge=self.bucket_collectives, ordered=True)
+        if not collectives_keep_their_order() and not _warned_order:
+            _warned_order.append(True)
+            log.warning(
+                "AutoSP: this torch (%s) has no control_deps, with which inductor keeps AutoSP's collectives in the "
+                "graph's order. SP ranks holding different token counts (a length not divisible by sp_size) may then "
+                "run them in different orders (seen with DeepSeek-V3): the job stops with a collective mismatch (gloo) "
+                "or hangs (NCCL). Use a torch with control_deps (2.13 and 2.15 have it), compile_backend='aot_eager', or lengths "
+                "divisible by sp_size.",
+                torch.__version__,
+            )
 
         # The AOT autograd cache would skip partitioning (and so our records) on a hit; inductor's
         # FX graph cache still serves the compiled kernels.
@@ -290,17 +303,30 @@ class _BucketPass(CustomGraphPass):
         return (get_hash_for_files((bucketing.__file__, __file__)), self.merge, self.ordered)
 
 
+_warned_order: list[bool] = []
+
+
+def collectives_keep_their_order() -> bool:
+    """Whether this torch has ``control_deps``, with which inductor keeps AutoSP's collectives in
+    graph order (see :func:`_keep_collective_order`)."""
+    try:
+        from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _keep_collective_order(graph: fx.Graph) -> None:
     """Make each of AutoSP's collectives depend on the one before it in the graph (torch's
     ``control_deps``), so that inductor's scheduler cannot reorder them. The SP ranks' graphs
     differ in their sizes (31 tokens: 16 and 15), and the scheduler orders independent ops by
     sizes: it ran DeepSeek-V3's q/k/v exchanges in different orders on two ranks, a collective
     mismatch (gloo aborts, NCCL hangs). Without ``control_deps`` (older torch) the graph is left as it is."""
-    try:
-        from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
-        from torch.utils._ordered_set import OrderedSet
-    except ImportError:
+    if not collectives_keep_their_order():
         return
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+
     from lightning_autosp.ops import _NS
 
     collectives = [n for n in graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == _NS]

@@ -176,9 +176,9 @@ class ModelZoo(nn.Module):
 
     def __init__(self, families):
         super().__init__()
-        self.families = families
+        self.losses = [(name, loss) for name, _, loss in families]  # module-level functions: picklable
         self.models = nn.ModuleDict({name: factory() for name, factory, _ in families})
 
     @staticmethod
     def loss(zoo: "ModelZoo", batch) -> torch.Tensor:
-        return sum(loss(zoo.models[name], batch) for name, _, loss in zoo.families)
+        return sum(loss(zoo.models[name], batch) for name, loss in zoo.losses)
