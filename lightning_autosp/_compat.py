@@ -166,3 +166,9 @@ def _fabric_setup_passes_scheduler() -> bool:
 #: Fabric's ``Strategy.setup_module_and_optimizers`` takes and returns an LR scheduler since
 #: Lightning 2.6 (``(module, optimizers, scheduler)``); 2.5 passes and expects ``(module, optimizers)``.
 FABRIC_SETUP_PASSES_SCHEDULER = _fabric_setup_passes_scheduler()
+
+
+def dense_or_false(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s strides are non-overlapping and dense, ``False`` where symbolic sizes
+    leave it open (torch 2.9-2.15 all have this helper under the same name)."""
+    return bool(torch._prims_common._is_non_overlapping_and_dense_or_false(tensor.shape, tensor.stride()))

@@ -15,6 +15,7 @@ import torch
 from lightning_autosp.backend import AOT_BACKENDS, SUPPORTED_BACKENDS
 from lightning_autosp.fsdp import FSDPConfig
 from lightning_autosp.layout import validate_sp_size
+from lightning_autosp.passes.offload import OffloadConfig, parse_bytes
 from lightning_autosp.passes.sac import SACConfig
 from lightning_autosp.steps import StepConfig
 
@@ -25,7 +26,8 @@ def check_arguments(
     sp_size: Optional[int], compile_backend: str, sac: bool, sac_recompute: Sequence[str], sac_memory_budget: float,
     seq_dim: int, fsdp: Union[bool, str], param_dtype: Optional[Union[str, torch.dtype]],
     reduce_dtype: Optional[Union[str, torch.dtype]], pretrained: Optional[dict[str, str]], chunked_loss: Union[bool, int],
-    tiled_attention: Union[bool, int] = True, strict: bool = False,
+    tiled_attention: Union[bool, int] = True, strict: bool = False, activation_offload: Union[bool, str] = "auto",
+    memory_budget: Optional[Union[int, float, str]] = None,
 ) -> tuple[StepConfig, Optional[FSDPConfig]]:
     validate_sp_size(sp_size)
     if compile_backend not in SUPPORTED_BACKENDS:
@@ -64,4 +66,26 @@ def check_arguments(
             "sequence, is an error) or False (it runs replicated, with a warning when it is large)."
         )
     sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)  # checked even when off
-    return StepConfig(compile_backend, sac_config if sac else None, seq_dim, loss_chunk, attention_tile, strict), fsdp_config
+    offload = _offload_config(activation_offload, memory_budget, compile_backend)
+    step = StepConfig(compile_backend, sac_config if sac else None, seq_dim, loss_chunk, attention_tile, strict, offload)
+    return step, fsdp_config
+
+
+def _offload_config(
+    activation_offload: Union[bool, str], memory_budget: Optional[Union[int, float, str]], compile_backend: str
+) -> Optional[OffloadConfig]:
+    if activation_offload not in (True, False, "auto"):
+        raise ValueError(
+            f"AutoSPStrategy(activation_offload={activation_offload!r}): pass 'auto' (saved activations go to host "
+            "memory only as far as memory_budget requires), True (all of them) or False (none)."
+        )
+    budget = None if memory_budget is None else parse_bytes(memory_budget, "AutoSPStrategy(memory_budget)")
+    if activation_offload is False or (activation_offload == "auto" and budget is None):
+        return None
+    if compile_backend not in AOT_BACKENDS:
+        raise ValueError(
+            f"AutoSPStrategy(compile_backend={compile_backend!r}, activation_offload={activation_offload!r}, "
+            f"memory_budget={memory_budget!r}): activation offload rewrites the partitioned forward and backward graphs, "
+            f"which only {list(AOT_BACKENDS)} build. Use one of them, or activation_offload=False."
+        )
+    return OffloadConfig(activation_offload, budget)

@@ -20,6 +20,7 @@ from lightning_autosp.local_shapes import LocalShapeCompiled, LocalShapes, add_c
 from lightning_autosp.passes.accounting import SavedActivations, empty_by_kind
 from lightning_autosp.passes import SPPassStats, sequence_parallel_pass
 from lightning_autosp.passes.bucketing import BucketStats, bucket_parameter_collectives_pass
+from lightning_autosp.passes.offload import OffloadConfig
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner
 
 __all__ = ["AutoSPBackend", "CompiledStep", "SUPPORTED_BACKENDS", "AOT_BACKENDS"]
@@ -138,6 +139,8 @@ class AutoSPBackend:
     #: merge the sharded mode's parameter all-gathers and reduce-scatters per transformer block
     #: in the partitioned graphs (:mod:`lightning_autosp.passes.bucketing`)
     bucket_collectives: bool = True
+    #: move saved activations to host memory after the partition (:mod:`lightning_autosp.passes.offload`)
+    offload: Optional[OffloadConfig] = None
     pass_stats: list[SPPassStats] = field(default_factory=list)
     #: per forward and backward graph compiled with an AOT backend: the parameter collectives
     #: before and after bucketing
@@ -148,6 +151,11 @@ class AutoSPBackend:
     timings: dict[str, float] = field(default_factory=lambda: {"sp_pass": 0.0, "partition": 0.0}, repr=False)
 
     def __post_init__(self) -> None:
+        if self.offload is not None and self.backend not in AOT_BACKENDS:
+            raise ValueError(
+                f"AutoSPBackend(backend={self.backend!r}, offload=...): activation offload rewrites the partitioned "
+                f"forward and backward graphs, which only the {list(AOT_BACKENDS)} backends build. Use one of them."
+            )
         if self.sac is not None and self.backend not in AOT_BACKENDS:
             raise ValueError(
                 f"AutoSPBackend(backend={self.backend!r}, sac=...): sequence-aware activation checkpointing "
@@ -170,7 +178,7 @@ class AutoSPBackend:
         self.timings["sp_pass"] += time.perf_counter() - start
         if self.backend not in AOT_BACKENDS:
             return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
-        partitioner = SACPartitioner(self.sac)
+        partitioner = SACPartitioner(self.sac, offload=self.offload)
         stats = gm.meta["autosp"]
         local = build_local_shapes(_example_values(gm), stats.seq_symbol, self.sp_size, offset=stats.seq_offset) if self.local_shapes and stats.attention else None
         if local is not None:

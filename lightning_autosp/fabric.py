@@ -70,7 +70,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     names (``sp_size``, ``compile_backend``, ``sac``, ``sac_recompute``, ``sac_memory_budget``,
     ``seq_dim``, ``fsdp``, ``param_dtype``, ``reduce_dtype``, ``pretrained`` - keyed by attribute of
     the module given to ``fabric.setup``, ``""`` for the module itself -, ``chunked_loss``,
-    ``tiled_attention``, ``strict``) and
+    ``tiled_attention``, ``strict``, ``activation_offload``, ``memory_budget``) and
     Fabric's DDP strategy's. Compile the loss computation with :meth:`compile_step`.
     """
 
@@ -89,6 +89,8 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         chunked_loss: Union[bool, int] = True,
         tiled_attention: Union[bool, int] = True,
         strict: bool = False,
+        activation_offload: Union[bool, str] = "auto",
+        memory_budget: Optional[Union[int, float, str]] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -101,7 +103,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     ) -> None:
         self._step_config, config = check_arguments(
             sp_size, compile_backend, sac, sac_recompute, sac_memory_budget, seq_dim, fsdp, param_dtype, reduce_dtype,
-            pretrained, chunked_loss, tiled_attention, strict,
+            pretrained, chunked_loss, tiled_attention, strict, activation_offload, memory_budget,
         )
         if config is not None and kwargs:
             raise ValueError(

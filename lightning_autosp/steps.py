@@ -31,6 +31,7 @@ from lightning_autosp.backend import AutoSPBackend, CompiledStep
 from lightning_autosp.batch_agreement import check_sp_batch_agreement
 from lightning_autosp.errors import AutoSPError, NoSequenceDim
 from lightning_autosp.layout import check_sequence_fits
+from lightning_autosp.passes.offload import OffloadConfig
 from lightning_autosp.passes.rewrite import SPPassStats
 from lightning_autosp.passes.sac import SACConfig
 from lightning_autosp.passes.sequence_parallel import describe_fallbacks
@@ -56,6 +57,8 @@ class StepConfig:
     attention_tile: Optional[int] = 0
     #: an op the SP pass would run replicated is an error instead of a warning
     strict: bool = False
+    #: saved activations moved to host memory (None: all stay on the device)
+    offload: Optional[OffloadConfig] = None
 
 
 class StepRunner:
@@ -83,7 +86,7 @@ class StepRunner:
         backend = AutoSPBackend(
             sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=self.sp_group.group_name, seq_dim=cfg.seq_dim,
             backend=cfg.compile_backend, sac=cfg.sac, loss_chunk=cfg.loss_chunk, attention_tile=cfg.attention_tile,
-            strict=cfg.strict,
+            strict=cfg.strict, offload=cfg.offload,
         )
         self.backends[name] = backend
         compiled = torch.compile(fn, backend=backend)

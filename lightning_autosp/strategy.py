@@ -117,6 +117,16 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
             sequence there) is an :class:`~lightning_autosp.AutoSPError` naming the op, its bytes
             per rank and the line that wrote it. ``False`` runs it replicated, with a warning
             when it holds 5% or more of the bytes the step saves for backward.
+        activation_offload: move tensors the step saves for backward to host memory after
+            forward computes them and back before backward reads them
+            (:mod:`lightning_autosp.passes.offload`; same loss and gradients; needs
+            ``compile_backend`` ``"inductor"`` or ``"aot_eager"``): ``"auto"`` (default) only
+            as far as ``memory_budget`` requires, the earliest-saved first, and nothing without a
+            ``memory_budget``; ``True`` every saved activation; ``False`` none. On CUDA the host
+            buffers are pinned and the copies are queued on the compute stream (not yet overlapped
+            with compute).
+        memory_budget: bytes of saved activations per rank that may stay on the device, as a
+            number or a string (``"40GB"``, ``"37.5GiB"``); ``lightning-autosp plan`` suggests one.
         **kwargs: every :class:`~lightning.pytorch.strategies.DDPStrategy` argument
             (``process_group_backend``, ``start_method``, ``timeout``, DDP kwargs such as
             ``find_unused_parameters``...).
@@ -146,6 +156,8 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         chunked_loss: Union[bool, int] = True,
         tiled_attention: Union[bool, int] = True,
         strict: bool = False,
+        activation_offload: Union[bool, str] = "auto",
+        memory_budget: Optional[Union[int, float, str]] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -162,7 +174,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     ) -> None:
         self._step_config, config = check_arguments(
             sp_size, compile_backend, sac, sac_recompute, sac_memory_budget, seq_dim, fsdp, param_dtype, reduce_dtype,
-            pretrained, chunked_loss, tiled_attention, strict,
+            pretrained, chunked_loss, tiled_attention, strict, activation_offload, memory_budget,
         )
         self._sharded = ShardedMode(config, pretrained, rank_zero_info) if config is not None else None
         if config is not None:
@@ -193,6 +205,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         self.compile_backend, self.sac, self.seq_dim = compile_backend, sac, seq_dim
         self.sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)
         self.fsdp, self.chunked_loss, self.tiled_attention, self.strict = fsdp, chunked_loss, tiled_attention, strict
+        self.activation_offload, self.memory_budget = activation_offload, memory_budget
         self._device_mesh: Optional["DeviceMesh"] = None
         self._runner: Optional[StepRunner] = None
         self._eager_calls: list[tuple[Any, str, Any]] = []

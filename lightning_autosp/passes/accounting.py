@@ -190,6 +190,8 @@ class SavedTensor:
     #: class names of the modules the producing op ran in, outermost first (may be empty for
     #: ops a pass inserted)
     modules: tuple[str, ...] = ()
+    #: kept in host memory between forward and backward (activation offload), not on the device
+    host: bool = False
 
 
 @dataclass
@@ -250,16 +252,26 @@ class SavedActivations:
         key = tuple(sorted(binding.items()))
         if key not in self._cache:
             out = empty_by_kind()
-            out.update(self.bytes_by(lambda t: t.kind, binding))
+            out.update(self.bytes_by(lambda t: t.kind, binding, host=False))
             self._cache[key] = out
         return dict(self._cache[key])
 
-    def bytes_by(self, group: Callable[[SavedTensor], str], binding: Optional[Mapping[str, int]] = None) -> dict[str, int]:
-        """Bytes saved by one call, summed per ``group(tensor)`` (e.g. by module)."""
+    def host_bytes(self, binding: Optional[Mapping[str, int]] = None) -> int:
+        """Bytes one call keeps in host memory for backward (activation offload); not in
+        :meth:`bytes_by_kind`, which counts the device's."""
+        return sum(self.bytes_by(lambda t: "host", binding, host=True).values())
+
+    def bytes_by(
+        self, group: Callable[[SavedTensor], str], binding: Optional[Mapping[str, int]] = None, host: Optional[bool] = None
+    ) -> dict[str, int]:
+        """Bytes saved by one call, summed per ``group(tensor)`` (e.g. by module); ``host``:
+        only the tensors offloaded to host memory (``True``) or kept on the device (``False``)."""
         if binding is None:
             binding = dict(zip(self.symbols, self.binding))
         out: dict[str, int] = {}
         for t in self.tensors:
+            if host is not None and t.host != host:
+                continue
             g = group(t)
             out[g] = out.get(g, 0) + _evaluate(t.nbytes, binding, t.name)
         return out
@@ -289,7 +301,8 @@ def list_saved_activations(fw: fx.GraphModule, num_fwd_outputs: int) -> list[Sav
     for n in outs[num_fwd_outputs:]:
         if not isinstance(n, fx.Node):
             continue
-        base = producer(n)
+        host = n.op == "call_function" and qualified_op_name(n.target) == "autosp_offload::offload"  # passes.offload
+        base = producer(n.args[0] if host else n)
         if base.op == "placeholder" or base in seen:
             continue
         val = base.meta.get("val")
@@ -305,6 +318,7 @@ def list_saved_activations(fw: fx.GraphModule, num_fwd_outputs: int) -> list[Sav
                 shape=tuple(str(s) for s in val.shape),
                 dtype=str(val.dtype).removeprefix("torch."),
                 modules=module_types(base),
+                host=host,
             )
         )
     return saved

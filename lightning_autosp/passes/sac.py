@@ -48,6 +48,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_autosp._compat import prepare_recompute_tags
 from lightning_autosp.passes import accounting as memory
+from lightning_autosp.passes import offload as offload_module
+from lightning_autosp.passes.offload import OffloadConfig, OffloadPlan
 from lightning_autosp.errors import AutoSPError
 from lightning_autosp.passes.accounting import OP_KINDS, SavedActivations, list_saved_activations, node_kind
 from lightning_autosp.passes.joint_graph import (
@@ -224,6 +226,9 @@ class SACPartitioner(CustomPartitionerFn):
         checked: refuse a partition that runs attention or a collective again in backward;
             ``False`` accepts it (the memory benchmark's full activation checkpointing, which
             recomputes attention by design).
+        offload: move saved activations to host memory after the partition
+            (:mod:`lightning_autosp.passes.offload`); ``None``: keep them on the device. What each
+            graph moved is appended to :attr:`offload_plans`.
     """
 
     def __init__(
@@ -231,10 +236,13 @@ class SACPartitioner(CustomPartitionerFn):
         config: Optional[SACConfig] = None,
         partition_fn: Callable[..., tuple[fx.GraphModule, fx.GraphModule]] = min_cut_rematerialization_partition,
         checked: bool = True,
+        offload: Optional[OffloadConfig] = None,
     ) -> None:
         self.config = config
         self.partition_fn = partition_fn
         self.checked = checked
+        self.offload = offload
+        self.offload_plans: list[OffloadPlan] = []
         self.records: list[SavedActivations] = []
         self.seconds = 0.0  # spent in __call__ so far
 
@@ -268,6 +276,8 @@ class SACPartitioner(CustomPartitionerFn):
             raise AutoSPError(
                 f"internal: the partitioner {violation}. Report this; `AutoSPStrategy(sac=False)` is a workaround."
             )
+        if self.offload is not None:
+            self.offload_plans.append(offload_module.offload_saved_activations(fw, bw, num_fwd_outputs, self.offload))
         record = SavedActivations(
             tensors=list_saved_activations(fw, num_fwd_outputs),
             fw_collectives=memory.count_ops(fw),
@@ -318,14 +328,17 @@ class SACPartitioner(CustomPartitionerFn):
     # inductor's cache keys the compiled graph on this; the records are not part of it
     def uuid(self) -> Any:
         partition = f"{self.partition_fn.__module__}.{self.partition_fn.__qualname__}"
-        return (get_hash_for_files((__file__, memory.__file__)), repr(self.config), partition, self.checked)
+        files = (__file__, memory.__file__, offload_module.__file__)
+        return (get_hash_for_files(files), repr(self.config), partition, self.checked, repr(self.offload))
 
     def __getstate__(self) -> dict:
-        return {"config": self.config, "partition_fn": self.partition_fn, "checked": self.checked}
+        return {"config": self.config, "partition_fn": self.partition_fn, "checked": self.checked, "offload": self.offload}
 
     def __setstate__(self, state: dict) -> None:
         self.config = state["config"]
         self.partition_fn = state["partition_fn"]
         self.checked = state.get("checked", True)
+        self.offload = state.get("offload")
+        self.offload_plans = []
         self.records = []
         self.seconds = 0.0
