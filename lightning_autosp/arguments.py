@@ -27,7 +27,7 @@ def check_arguments(
     seq_dim: int, fsdp: Union[bool, str], param_dtype: Optional[Union[str, torch.dtype]],
     reduce_dtype: Optional[Union[str, torch.dtype]], pretrained: Optional[dict[str, str]], chunked_loss: Union[bool, int],
     tiled_attention: Union[bool, int] = True, strict: bool = False, activation_offload: Union[bool, str] = "auto",
-    memory_budget: Optional[Union[int, float, str]] = None,
+    memory_budget: Optional[Union[int, float, str]] = None, tiled_mlp: Union[bool, int] = True,
 ) -> tuple[StepConfig, Optional[FSDPConfig]]:
     validate_sp_size(sp_size)
     if compile_backend not in SUPPORTED_BACKENDS:
@@ -60,6 +60,12 @@ def check_arguments(
             "query rows and key columns per tile (an int >= 8), or False (keep masks as dense S x S tensors)."
         )
     attention_tile: Optional[int] = (0 if tiled_attention else None) if isinstance(tiled_attention, bool) else tiled_attention
+    if not isinstance(tiled_mlp, bool) and not (isinstance(tiled_mlp, int) and tiled_mlp >= 1):
+        raise ValueError(
+            f"AutoSPStrategy(tiled_mlp={tiled_mlp!r}): pass True (MLPs run over tiles of rows sized automatically, where "
+            "a rank holds two tiles or more), the rows per tile (an int >= 1), or False (MLPs run whole)."
+        )
+    mlp_tile: Optional[int] = (0 if tiled_mlp else None) if isinstance(tiled_mlp, bool) else tiled_mlp
     if not isinstance(strict, bool):
         raise ValueError(
             f"AutoSPStrategy(strict={strict!r}): pass True (an op AutoSP would run replicated, all-gathering the "
@@ -67,7 +73,7 @@ def check_arguments(
         )
     sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)  # checked even when off
     offload = _offload_config(activation_offload, memory_budget, compile_backend)
-    step = StepConfig(compile_backend, sac_config if sac else None, seq_dim, loss_chunk, attention_tile, strict, offload)
+    step = StepConfig(compile_backend, sac_config if sac else None, seq_dim, loss_chunk, attention_tile, strict, offload, mlp_tile)
     return step, fsdp_config
 
 

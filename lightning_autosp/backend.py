@@ -21,6 +21,7 @@ from lightning_autosp.passes.accounting import SavedActivations, empty_by_kind
 from lightning_autosp.passes import SPPassStats, sequence_parallel_pass
 from lightning_autosp.passes.bucketing import BucketStats, bucket_parameter_collectives_pass
 from lightning_autosp.passes.offload import OffloadConfig
+from lightning_autosp.passes.tiled_mlp import tile_token_regions
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner
 
 __all__ = ["AutoSPBackend", "CompiledStep", "SUPPORTED_BACKENDS", "AOT_BACKENDS"]
@@ -139,6 +140,9 @@ class AutoSPBackend:
     #: merge the sharded mode's parameter all-gathers and reduce-scatters per transformer block
     #: in the partitioned graphs (:mod:`lightning_autosp.passes.bucketing`)
     bucket_collectives: bool = True
+    #: rows per tile of the step's MLPs (0: sized automatically, where a rank holds two tiles or more;
+    #: None: off; :mod:`lightning_autosp.passes.tiled_mlp`)
+    mlp_tile: Optional[int] = None
     #: move saved activations to host memory after the partition (:mod:`lightning_autosp.passes.offload`)
     offload: Optional[OffloadConfig] = None
     pass_stats: list[SPPassStats] = field(default_factory=list)
@@ -169,11 +173,15 @@ class AutoSPBackend:
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         start = time.perf_counter()
+        regions = []
+        if self.mlp_tile is not None:
+            regions = tile_token_regions(gm, tile=self.mlp_tile, min_tiles=0 if self.mlp_tile else 2, sp_size=self.sp_size)
         gm = sequence_parallel_pass(
             gm, example_inputs, sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=self.group_name, seq_dim=self.seq_dim,
             loss_chunk=self.loss_chunk, native_gqa=self.native_gqa, attention_tile=self.attention_tile,
             strict=self.strict,
         )
+        gm.meta["autosp"].tiled_regions = len(regions)
         self.pass_stats.append(gm.meta["autosp"])
         self.timings["sp_pass"] += time.perf_counter() - start
         if self.backend not in AOT_BACKENDS:

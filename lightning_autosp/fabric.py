@@ -70,7 +70,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     names (``sp_size``, ``compile_backend``, ``sac``, ``sac_recompute``, ``sac_memory_budget``,
     ``seq_dim``, ``fsdp``, ``param_dtype``, ``reduce_dtype``, ``pretrained`` - keyed by attribute of
     the module given to ``fabric.setup``, ``""`` for the module itself -, ``chunked_loss``,
-    ``tiled_attention``, ``strict``, ``activation_offload``, ``memory_budget``) and
+    ``tiled_attention``, ``strict``, ``activation_offload``, ``memory_budget``, ``tiled_mlp``) and
     Fabric's DDP strategy's. Compile the loss computation with :meth:`compile_step`.
     """
 
@@ -91,6 +91,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         strict: bool = False,
         activation_offload: Union[bool, str] = "auto",
         memory_budget: Optional[Union[int, float, str]] = None,
+        tiled_mlp: Union[bool, int] = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -104,6 +105,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         self._step_config, config = check_arguments(
             sp_size, compile_backend, sac, sac_recompute, sac_memory_budget, seq_dim, fsdp, param_dtype, reduce_dtype,
             pretrained, chunked_loss, tiled_attention, strict, activation_offload, memory_budget,
+            tiled_mlp,
         )
         if config is not None and kwargs:
             raise ValueError(

@@ -59,6 +59,8 @@ class StepConfig:
     strict: bool = False
     #: saved activations moved to host memory (None: all stay on the device)
     offload: Optional[OffloadConfig] = None
+    #: rows per tile of the MLPs (0: automatic, where it pays; None: off)
+    mlp_tile: Optional[int] = 0
 
 
 class StepRunner:
@@ -86,7 +88,7 @@ class StepRunner:
         backend = AutoSPBackend(
             sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=self.sp_group.group_name, seq_dim=cfg.seq_dim,
             backend=cfg.compile_backend, sac=cfg.sac, loss_chunk=cfg.loss_chunk, attention_tile=cfg.attention_tile,
-            strict=cfg.strict, offload=cfg.offload,
+            strict=cfg.strict, offload=cfg.offload, mlp_tile=cfg.mlp_tile,
         )
         self.backends[name] = backend
         compiled = torch.compile(fn, backend=backend)

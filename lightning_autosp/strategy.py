@@ -158,6 +158,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         strict: bool = False,
         activation_offload: Union[bool, str] = "auto",
         memory_budget: Optional[Union[int, float, str]] = None,
+        tiled_mlp: Union[bool, int] = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -175,6 +176,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         self._step_config, config = check_arguments(
             sp_size, compile_backend, sac, sac_recompute, sac_memory_budget, seq_dim, fsdp, param_dtype, reduce_dtype,
             pretrained, chunked_loss, tiled_attention, strict, activation_offload, memory_budget,
+            tiled_mlp,
         )
         self._sharded = ShardedMode(config, pretrained, rank_zero_info) if config is not None else None
         if config is not None:
@@ -205,7 +207,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         self.compile_backend, self.sac, self.seq_dim = compile_backend, sac, seq_dim
         self.sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)
         self.fsdp, self.chunked_loss, self.tiled_attention, self.strict = fsdp, chunked_loss, tiled_attention, strict
-        self.activation_offload, self.memory_budget = activation_offload, memory_budget
+        self.activation_offload, self.memory_budget, self.tiled_mlp = activation_offload, memory_budget, tiled_mlp
         self._device_mesh: Optional["DeviceMesh"] = None
         self._runner: Optional[StepRunner] = None
         self._eager_calls: list[tuple[Any, str, Any]] = []

@@ -368,6 +368,7 @@ def run_fit(
     ddp_unshared: bool = True,
     distributed_sampler: bool = True,
     tiled_attention: Any = True,
+    tiled_mlp: Any = True,
 ) -> Run:
     """Fit on ``devices`` CPU processes (started by ``start_method``); ``sp_size=None`` means
     plain DDP (``ddp_unshared``: with :class:`Unshared`; ``distributed_sampler=False``: every
@@ -381,7 +382,7 @@ def run_fit(
     else:
         strategy = AutoSPStrategy(
             sp_size=sp_size, compile_backend=backend, start_method=start_method, sac=sac, fsdp=fsdp, chunked_loss=chunked_loss,
-            pretrained=pretrained, tiled_attention=tiled_attention,
+            pretrained=pretrained, tiled_attention=tiled_attention, tiled_mlp=tiled_mlp,
         )
     trainer = L.Trainer(
         accelerator="cpu",

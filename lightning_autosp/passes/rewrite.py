@@ -63,6 +63,8 @@ class SPPassStats:
     #: mixture-of-experts dispatches (a ``sort`` of the router's choices ... back in token order)
     #: run on each rank's own rows (:mod:`.sp_rules.expert_dispatch`)
     expert_dispatch: int = 0
+    #: token-wise regions (MLPs) run over tiles of rows (:mod:`lightning_autosp.passes.tiled_mlp`)
+    tiled_regions: int = 0
     #: sorts of sequence-sharded rows that could not run per rank, and why (each then runs replicated)
     dispatch_rejections: list[str] = field(default_factory=list)
 

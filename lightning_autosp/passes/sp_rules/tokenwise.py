@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from lightning_autosp import tiled_rows  # noqa: F401  (registers autosp_tile::rows)
 from lightning_autosp.passes.placement import REPLICATE, Shard, is_tensor, norm_dim
 from lightning_autosp.passes.sp_rules.registry import OpCall, RuleResult, op, sp_rule
 
@@ -83,6 +84,12 @@ def norm(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
     k = len(shape) if isinstance(shape, (tuple, list)) else 1
     return _tokenwise(rw, node, forbidden=tuple(range(-k, 0)), out_dim=_same_dim)
+
+
+@sp_rule(op("tiled_rows", torch.ops.autosp_tile.rows.default, method=False))
+def tiled_region(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
+    """A region of token-wise ops run over tiles of rows (:mod:`lightning_autosp.passes.tiled_mlp`)."""
+    return _tokenwise(rw, node, forbidden=(-1,), out_dim=_same_dim)
 
 
 @sp_rule(op("embedding", F.embedding, method=False), source=True)

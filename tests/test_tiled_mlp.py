@@ -1,0 +1,136 @@
+"""Tiled MLPs: each MLP of the step run over tiles of the rank's rows, recomputed per tile in
+backward (``AutoSPStrategy(tiled_mlp=...)``), with the same loss and gradients as one device.
+
+The zoo trains four MLP shapes in one step - Hugging Face Llama (SwiGLU) over two layers, Qwen2
+over padded rows, our Llama and our GPT (GELU, biases) - 31 tokens split 16 + 15, tiles of 5 rows
+(so every rank has a partial last tile). The control recomputes each tile's forward in backward on
+its rows shifted by one: the forward is unchanged, the gradients are not.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mask_models import ModelZoo, PaddedBothSides, hf_factory, padded_call, plain_call
+from sp_harness import START_METHOD, FnModule, check_against_references, compare, lm_loss, make_model, reference_fn, run_fit
+
+from lightning_autosp import AutoSPStrategy
+from lightning_autosp.passes.tiled_mlp import tile_token_regions
+from lightning_autosp.tiled_rows import auto_tile_rows
+
+
+def example_call(model, batch):
+    return lm_loss(model(batch["input_ids"]), batch["labels"], False)
+
+
+def _llama():
+    return make_model("llama")
+
+
+def _gpt():
+    return make_model("gpt")
+
+
+FAMILIES = [
+    ("hf_llama", hf_factory("llama", layers=2, seed=31), plain_call),
+    ("hf_qwen2_padded", hf_factory("qwen2", seed=32), padded_call),
+    ("llama", _llama, example_call),
+    ("gpt", _gpt, example_call),
+]
+
+def test_arguments():
+    assert AutoSPStrategy(sp_size=2)._step_config.mlp_tile == 0  # on, sized automatically
+    assert AutoSPStrategy(sp_size=2, tiled_mlp=False)._step_config.mlp_tile is None
+    assert AutoSPStrategy(sp_size=2, tiled_mlp=256)._step_config.mlp_tile == 256
+    for bad in (0, -4, "big", 2.5):
+        with pytest.raises(ValueError, match=r"tiled_mlp=.*pass True .* the rows per tile \(an int >= 1\), or False"):
+            AutoSPStrategy(sp_size=2, tiled_mlp=bad)
+    assert auto_tile_rows(14336, 2) == 2340 and auto_tile_rows(64, 4) == 262144
+
+
+def _graph(model, *args):
+    graphs = []
+
+    def keep(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    for a in args:
+        torch._dynamo.mark_dynamic(a, 1)
+    torch.compile(lambda *a: lm_loss(model(a[0]), a[1], False), backend=keep)(*args)
+    return graphs[0]
+
+
+def test_regions_are_the_mlps_and_only_them():
+    """Two MLPs in a two-layer Llama and a GPT; never the LM head (whose logits widen and stay
+    wide: the fused loss's), the attention projections or the norms. Automatic tiles are sized
+    from the MLP width and tile only where a rank holds two of them."""
+    ids = torch.randint(0, 64, (2, 40))
+    for kind in ("llama", "gpt"):
+        gm = _graph(make_model(kind), ids, ids)
+        regions = tile_token_regions(gm, tile=8)
+        assert len(regions) == 2 and all(r.tile == 8 for r in regions), regions
+        assert all(r.width == 4 * 32 or r.width > 32 for r in regions)
+        calls = [n for n in gm.graph.nodes if n.target is torch.ops.autosp_tile.rows.default]
+        assert len(calls) == 2
+        linears = [n for n in gm.graph.nodes if n.target is F.linear]
+        assert linears, "the attention projections and the LM head stay as they were"
+        # automatic tiles hold ~64 MiB: 40 tokens are far from two tiles
+        assert tile_token_regions(_graph(make_model(kind), ids, ids), tile=0, min_tiles=2) == []
+
+
+def _zoo_of(names):
+    return lambda: ModelZoo([f for f in FAMILIES if f[0] in names])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "devices,sp_size,backend,names",
+    [
+        (2, 2, "aot_eager", [f[0] for f in FAMILIES]),
+        (4, 2, "aot_eager", ["hf_llama", "llama"]),  # two of them: the suite's time
+        (2, 2, "inductor", ["llama"]),  # the default configuration: inductor and SAC
+    ],
+    ids=["sp2", "dp2xsp2", "sp2-inductor"],
+)
+def test_tiled_mlps_are_exact(tmp_path, devices, sp_size, backend, names):
+    factory = _zoo_of(names)
+    run = run_fit(
+        tmp_path, FnModule(factory, ModelZoo.loss, log_loss=False), PaddedBothSides(4 * devices, 31), devices=devices,
+        sp_size=sp_size, backend=backend, tiled_mlp=5,
+    )
+    loss_err, grad_err, naive = check_against_references(run, sp_size, factory, ModelZoo.loss)
+    print(f"tiled MLP zoo {names} {devices} devices sp{sp_size} {backend}: loss {loss_err:.2e} grad {grad_err:.2e} (naive: {naive:.2e})")
+    graphs = run.ranks[0]["graphs"]["training_step"]
+    mlps = {"hf_llama": 2, "hf_qwen2_padded": 1, "llama": 2, "gpt": 2}
+    assert sum(g.tiled_regions for g in graphs) == sum(mlps[n] for n in names)
+    assert [f for g in graphs for f in g.fallbacks] == []
+
+
+def _shifted(region):
+    import dataclasses
+
+    def backward(rows, *args):
+        return region.backward(torch.roll(rows, 1, 0), *args)
+
+    return dataclasses.replace(region, backward=backward)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(START_METHOD != "fork", reason="the broken recompute is patched in this process: only forked ranks see it")
+def test_a_recompute_on_other_rows_is_caught(tmp_path, monkeypatch):
+    from lightning_autosp import tiled_rows
+
+    original = tiled_rows.register_region
+
+    def register_broken(*args, **kwargs):
+        key = original(*args, **kwargs)
+        tiled_rows._REGIONS[key] = _shifted(tiled_rows._REGIONS[key])
+        return key
+
+    monkeypatch.setattr("lightning_autosp.passes.tiled_mlp.register_region", register_broken)
+    factory = lambda: ModelZoo(FAMILIES[2:3])  # noqa: E731
+    run = run_fit(tmp_path, FnModule(factory, ModelZoo.loss, log_loss=False), PaddedBothSides(4, 31), devices=2, sp_size=2, tiled_mlp=5)
+    loss_err, grad_err = compare(run, 2, *reference_fn(factory, ModelZoo.loss, run, 2))
+    assert sum(g.tiled_regions for g in run.ranks[0]["graphs"]["training_step"]) == 2
+    assert grad_err > 1e-2, (loss_err, grad_err)
