@@ -38,6 +38,11 @@ Variants (``VARIANTS``):
 ``sp``              AutoSP without SAC (min-cut partition)
 ``sp_sac``          AutoSP with sequence-aware activation checkpointing
 ``sp_sac_logits``   the same with ``chunked_loss=False``: the full logits are kept
+``sp_sac_tiled``    AutoSP + SAC with each MLP over tiles of rows (``tiled_mlp=True``, tiles
+                    sized automatically): the walk adds one tile's working memory at its ops
+``sp_sac_offload``  AutoSP + SAC with every saved activation in host memory between forward and
+                    backward (``activation_offload=True``): counted apart, as ``host``
+``sp_sac_tiled_offload``  both
 AutoSP variants (``sp``, ``sp_sac``) compute the loss with the fused, chunked vocabulary
 projection (``chunked_loss=True``, the default); the walk adds its working memory (one
 chunk's logits and their gradient, the fp32 weight-gradient accumulator) at that op.
@@ -65,11 +70,13 @@ from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch.utils._pytree import tree_leaves
 
-from lightning_autosp import fused_loss, tiled_attention
+from lightning_autosp import fused_loss, tiled_attention, tiled_rows
 from lightning_autosp.passes.accounting import is_alias
 from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes import sequence_parallel_pass
+from lightning_autosp.passes.offload import OffloadConfig
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner
+from lightning_autosp.passes.tiled_mlp import tile_token_regions
 
 __all__ = ["PRESETS", "VARIANTS", "MASKS", "Trace", "trace", "Walk", "walk", "LayerModel", "layer_model", "param_counts"]
 
@@ -87,12 +94,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-VARIANTS = ("no_sp_eager", "no_sp", "no_sp_ac", "ulysses_eager", "sp", "sp_sac", "sp_sac_logits")
+VARIANTS = (
+    "no_sp_eager", "no_sp", "no_sp_ac", "ulysses_eager", "sp", "sp_sac", "sp_sac_logits", "sp_sac_tiled", "sp_sac_offload",
+    "sp_sac_tiled_offload",
+)
 MASKS = ("causal", "documents", "window")
 #: documents and window of the ``documents`` and ``window`` masks (tokens); neither changes memory
 DOCUMENT_TOKENS, WINDOW_TOKENS = 8192, 4096
 #: variants that use the fused vocabulary loss (``AutoSPStrategy(chunked_loss=True)``)
-FUSED_LOSS_VARIANTS = ("sp", "sp_sac")
+FUSED_LOSS_VARIANTS = ("sp", "sp_sac", "sp_sac_tiled", "sp_sac_offload", "sp_sac_tiled_offload")
 
 
 class _Checkpointed(torch.nn.Module):
@@ -144,7 +154,7 @@ class Trace:
         by default they are left to the static memory."""
         fw = walk(self.fw, S, self, saved_from=None, num_fwd_outputs=self.num_fwd_outputs)
         bw = walk(self.bw, S, self, saved_from=fw, count_grads=count_grads)
-        return {"saved": fw.saved, "fw_peak": fw.peak, "bw_peak": bw.peak, "peak": max(fw.peak, bw.peak)}
+        return {"saved": fw.saved, "fw_peak": fw.peak, "bw_peak": bw.peak, "peak": max(fw.peak, bw.peak), "host": fw.host}
 
 
 def _tensor_bytes(val: Any) -> Optional[sympy.Expr]:
@@ -163,6 +173,9 @@ def _is_alias_node(n: Any) -> bool:
 
 
 _FUSED_LOSS = torch.ops.autosp_loss.linear_cross_entropy.default
+_OFFLOAD = torch.ops.autosp_offload.offload.default
+#: tiled MLP ops -> (position of the region key, of the tile size, backward)
+_TILED_ROWS = {torch.ops.autosp_tile.rows.default: (2, 3, False), torch.ops.autosp_tile.rows_backward.default: (3, 4, True)}
 _TILED = {
     torch.ops.autosp_attn.tiled_attention.default: False, torch.ops.autosp_attn.tiled_attention_backward.default: True,
     torch.ops.autosp_attn.live_tiles.default: None,
@@ -197,6 +210,8 @@ class Walk:
     #: forward output name -> the allocation it refers to (None: a parameter or an input)
     outputs: dict[str, Any]
     size: dict[Any, int]
+    #: bytes the forward moved to host memory (activation offload): not on the device
+    host: int = 0
 
 
 def walk(
@@ -209,6 +224,7 @@ def walk(
     storage: dict[fx.Node, Any] = {}  # node -> the allocation it refers to
     size: dict[Any, int] = {}
     born: dict[Any, int] = {}
+    host = 0
     for n in nodes:
         if n.op == "placeholder":
             if saved_from is None:
@@ -234,10 +250,20 @@ def walk(
             if b is not None:
                 key = (n.args[0], n.args[1])
                 storage[n], size[key], born[key] = key, tr.nbytes(b, S), index[n.args[0]]
+        elif n.target is _OFFLOAD:  # a copy in host memory: none on the device
+            storage[n], size[n], born[n] = n, 0, index[n]
+            host += tr.nbytes(_tensor_bytes(n.meta["val"]), S)
         else:
             b = _tensor_bytes(n.meta.get("val"))
             if b is not None:
                 storage[n], size[n], born[n] = n, tr.nbytes(b, S), index[n]
+            if n.target in _TILED_ROWS:  # one tile's intermediates live only inside the op
+                key_at, tile_at, backward = _TILED_ROWS[n.target]
+                x = n.args[key_at - 2].meta["val"]  # the rows: rows(x, ...), rows_backward(grad, x, ...)
+                rows = tr.nbytes(_tensor_bytes(x), S) // (x.element_size() * int(x.shape[-1]))
+                key = ("workspace", n)
+                tile = max(1, min(n.args[tile_at], rows))
+                size[key], born[key] = tiled_rows.workspace_bytes(n.args[key_at], tile, backward), index[n]
             if n.target is _FUSED_LOSS:  # its chunk's logits live only inside the op
                 key = ("workspace", n)
                 size[key], born[key] = _fused_workspace(n, S, tr), index[n]
@@ -276,16 +302,19 @@ def walk(
         live += sum(size[k] for k in births.get(i, ()))
         peak = max(peak, live)
         live -= sum(size[k] for k in deaths.get(i, ()))
-    return Walk(peak=peak, saved=saved, outputs={o.name: storage.get(o) for o in outs}, size=size)
+    return Walk(peak=peak, saved=saved, outputs={o.name: storage.get(o) for o in outs}, size=size, host=host)
 
 
-def _backend(variant: str, sp_size: int, out: list, native_gqa: Optional[bool] = False, tiled: bool = True) -> Callable:
+def _backend(
+    variant: str, sp_size: int, out: list, native_gqa: Optional[bool] = False, tiled: bool = True, mlp_tile: int = 0
+) -> Callable:
     """A backend that partitions like AutoSP (``*_eager`` variants: as eager autograd saves),
     appends ``(fw, bw, num_fwd_outputs)`` to ``out`` and stops the compile."""
     partitioner = SACPartitioner(
         SACConfig() if variant.startswith("sp_sac") else None,
         partition_fn=default_partition if variant.endswith("_eager") else min_cut_rematerialization_partition,
         checked=variant != "no_sp_ac",  # full activation checkpointing recomputes attention by design
+        offload=OffloadConfig(True) if variant.endswith("offload") else None,
     )
 
     def keep_graphs(gm: fx.GraphModule, joint_inputs: list, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -294,6 +323,8 @@ def _backend(variant: str, sp_size: int, out: list, native_gqa: Optional[bool] =
         return fw, bw
 
     def backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        if "tiled" in variant:
+            tile_token_regions(gm, tile=mlp_tile)  # 0: sized automatically (tiled_mlp=True), at any length
         if variant.startswith(("sp", "ulysses")):
             chunk = 0 if variant in FUSED_LOSS_VARIANTS else None
             gm = sequence_parallel_pass(
@@ -309,7 +340,7 @@ def _backend(variant: str, sp_size: int, out: list, native_gqa: Optional[bool] =
 
 def trace(
     cfg: LlamaConfig, variant: str, sp_size: int = 8, dtype: torch.dtype = torch.bfloat16, S: int = 8192,
-    native_gqa: Optional[bool] = False, mask: str = "causal", tiled: bool = True,
+    native_gqa: Optional[bool] = False, mask: str = "causal", tiled: bool = True, mlp_tile: int = 0,
 ) -> Trace:
     """Trace one training step (forward + token-mean cross-entropy) of ``Llama(cfg)``, with
     attention under ``mask`` (:data:`MASKS`; ``tiled``: evaluated per tile by AutoSP's variants).
@@ -321,6 +352,7 @@ def trace(
     The weights are real CPU tensors left uninitialised (``to_empty``), so that the CPU
     attention kernel (which, like flash attention, keeps only the output and the log-sum-exp)
     is the one traced; they are never read. ``S`` only seeds the trace: the length is dynamic.
+    ``mlp_tile``: rows per MLP tile of the ``*tiled*`` variants (0: sized automatically).
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -346,7 +378,7 @@ def trace(
     graphs: list = []
     torch._dynamo.reset()
     try:
-        backend = _backend(variant, sp_size, graphs, native_gqa, tiled)
+        backend = _backend(variant, sp_size, graphs, native_gqa, tiled, mlp_tile)
         torch.compile(step, backend=backend, fullgraph=True)(ids, labels, docs)
     except Exception as e:  # Dynamo wraps the backend's exception
         if not graphs or not _caused_by(e, _Traced):

@@ -53,7 +53,11 @@ from lightning_autosp.examples.models import LlamaConfig
 
 SETTINGS = ("zero3", "autosp_fsdp", "ddp")
 # the sharded mode is AutoSP's own: only its variants run under it
-SETTING_VARIANTS = {"autosp_fsdp": ("sp", "sp_sac", "sp_sac_logits")}
+SETTING_VARIANTS = {"autosp_fsdp": ("sp", "sp_sac", "sp_sac_logits", "sp_sac_tiled", "sp_sac_offload", "sp_sac_tiled_offload")}
+#: DeepSpeed ALST (2025), Llama-3.1-8B on one node of 8 x H100 80 GB: measured, tokens per sequence
+ALST_8B_NODE = 3_700_000
+#: the options added in turn in the comparison with ALST (autosp_fsdp)
+ALST_STEPS = ("sp_sac", "sp_sac_tiled", "sp_sac_offload", "sp_sac_tiled_offload")
 LABELS = {
     "no_sp_eager": "no SP, eager autograd",
     "no_sp": "no SP, compiled",
@@ -62,6 +66,9 @@ LABELS = {
     "sp": "AutoSP, no SAC",
     "sp_sac": "AutoSP + SAC",
     "sp_sac_logits": "AutoSP + SAC, full logits (chunked_loss=False)",
+    "sp_sac_tiled": "AutoSP + SAC + tiled MLP",
+    "sp_sac_offload": "AutoSP + SAC + activation offload",
+    "sp_sac_tiled_offload": "AutoSP + SAC + tiled MLP + activation offload",
 }
 PAPER = {"autosp_vs_handwritten": 2.7, "sac_vs_sp": 1.66, "vs_zero3_8b": 5.6}
 #: AutoSP + SAC under other masks than plain causal: (mask, tiled) -> label
@@ -81,6 +88,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--gpu-gib", type=float, default=80.0, help="memory per GPU, GiB")
     p.add_argument("--usable", type=float, default=0.9, help="fraction of it a step may use")
     p.add_argument("--granule", type=int, default=1024, help="sequence lengths searched are multiples of this")
+    p.add_argument("--host-gib", type=float, default=2048.0, help="host memory per node, GiB (offloaded activations)")
     p.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
     args = p.parse_args(argv)
     if args.granule % args.sp_size:
@@ -108,9 +116,10 @@ def static_bytes(params: dict[str, int], setting: str, world: int) -> dict[str, 
     return out
 
 
-def longest(memory, static: int, budget: float, granule: int, limit: int = 1 << 24) -> int:
-    """The largest multiple of ``granule`` (up to ``limit``) whose step fits; 0 if none does."""
-    fits = lambda S: static + memory(S)["peak"] <= budget  # noqa: E731
+def longest(memory, static: int, budget: float, granule: int, limit: int = 1 << 24, host_budget: float = float("inf")) -> int:
+    """The largest multiple of ``granule`` (up to ``limit``) whose step fits - on the device, and
+    in the host memory a rank may fill with offloaded activations; 0 if none does."""
+    fits = lambda S: static + (m := memory(S))["peak"] <= budget and m.get("host", 0) <= host_budget  # noqa: E731
     lo, hi = 0, limit // granule
     if not fits(granule):
         return 0
@@ -124,8 +133,20 @@ def pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1) if n > 0 else 0
 
 
+def limit_of(memory, static: int, budget: float, host_budget: float, S: int, granule: int) -> str:
+    """What stops the next length: the device (its static memory, what the forward saves on it, or the
+    transients of the peak) or the host memory."""
+    nxt = memory(S + granule)
+    if nxt.get("host", 0) > host_budget:
+        return "host memory"
+    saved, peak = nxt["saved"], nxt["peak"]
+    parts = {"static": static, "saved on the device": saved, "transients at the peak": peak - saved}
+    return "device: " + max(parts, key=parts.get) + " largest"
+
+
 def run(args: argparse.Namespace) -> dict:
     budget = args.gpu_gib * GiB * args.usable
+    host_budget = args.host_gib * GiB * args.usable / args.sp_size
     out: dict = {"args": arguments(args), "machine": machine(), "models": {}, "paper": PAPER}
     for name in args.models:
         preset = mm.PRESETS[name]
@@ -148,9 +169,10 @@ def run(args: argparse.Namespace) -> dict:
             for v, m in models.items():
                 if v not in SETTING_VARIANTS.get(setting, models):
                     continue
-                S = longest(m.memory, static, budget, args.granule)
+                S = longest(m.memory, static, budget, args.granule, host_budget=host_budget)
                 rows[setting]["variants"][v] = {
                     "longest": S, "pow2": pow2_floor(S), "memory_at_longest": m.memory(S) if S else None,
+                    "limit": limit_of(m.memory, static, budget, host_budget, S, args.granule),
                 }
         masks = {}
         for setting in args.settings:
@@ -213,7 +235,34 @@ def markdown(res: dict) -> str:
         lines.append("")
     lines += comparison(res)
     lines += mask_table(res)
+    lines += alst_table(res)
     return "\n".join(lines)
+
+
+def alst_table(res: dict) -> list[str]:
+    """Llama-3.1-8B on one node, AutoSP's options added in turn, next to DeepSpeed ALST's measured length."""
+    a = res["args"]
+    m = res["models"].get("llama-3.1-8b")
+    row = m and m["settings"].get("autosp_fsdp")
+    if not row:
+        return []
+    lines = [
+        "",
+        f"| Llama-3.1-8B, {a['sp_size']} x {a['gpu_gib']:.0f} GB, fsdp=True | longest sequence (predicted) | vs ALST "
+        f"{ALST_8B_NODE / 1e6:.1f}M (measured) | device GiB/rank: static + saved + transients | host GiB per node | what limits it |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v in ALST_STEPS:
+        r = row["variants"].get(v)
+        if r is None:
+            continue
+        mem = r["memory_at_longest"] or {"saved": 0, "peak": 0, "host": 0}
+        device = f"{row['static_bytes'] / GiB:.1f} + {mem['saved'] / GiB:.1f} + {(mem['peak'] - mem['saved']) / GiB:.1f}"
+        lines.append(
+            f"| {LABELS[v]} | {r['longest']:,} | {r['longest'] / ALST_8B_NODE:.2f}x | {device} | "
+            f"{mem.get('host', 0) * a['sp_size'] / GiB:.0f} | {r['limit']} |"
+        )
+    return lines
 
 
 def mask_table(res: dict) -> list[str]:

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-__all__ = ["register_region", "tiled_rows", "tiled_rows_backward", "auto_tile_rows", "TILE_BYTES"]
+__all__ = ["register_region", "tiled_rows", "tiled_rows_backward", "auto_tile_rows", "workspace_bytes", "TILE_BYTES"]
 
 #: the widest intermediate of one tile, in bytes, when the tile is sized automatically
 TILE_BYTES = 64 * 2**20
@@ -101,6 +101,50 @@ def register_region(
         gm.recompile()
     _REGIONS[key] = _Region(fw, bw, int(out.shape[-1]), out.dtype)
     return key
+
+
+def workspace_bytes(key: str, tile: int, backward: bool = False) -> int:
+    """Bytes the op (``backward``: its backward) allocates while it runs beyond its inputs and
+    outputs: for one tile of ``tile`` rows, the peak of a liveness walk over the region's traced
+    graph (each op allocates its output, freed after its last use; views counted as allocations:
+    an upper bound), and in backward the weights' gradient accumulators (fp32 for 16-bit weights).
+    What the memory model adds at the op."""
+    gm = (_region(key).backward if backward else _region(key).forward)
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    rows = placeholders[0].meta["val"].shape[0]
+    env = rows.node.shape_env
+    binding = {sym: env.var_to_val[sym] for sym in env.var_to_val}
+    binding[rows.node.expr] = tile
+
+    def nbytes(n: fx.Node) -> int:
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            return 0
+        numel = v.numel()
+        numel = int(numel.node.expr.xreplace(binding)) if isinstance(numel, torch.SymInt) else int(numel)
+        return numel * v.element_size()
+
+    last = {n: i for i, n in enumerate(nodes)}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last[a] = i
+    live = peak = 0
+    for i, n in enumerate(nodes[:-1]):
+        if n.op == "call_function":
+            live += nbytes(n)
+            peak = max(peak, live)
+        for a in n.all_input_nodes:
+            if last[a] == i and a.op == "call_function":
+                live -= nbytes(a)
+    if backward:
+        for w in placeholders[1:-1]:
+            v = w.meta["val"]
+            if v.is_floating_point():
+                numel = v.numel()
+                numel = int(numel.node.expr.xreplace(binding)) if isinstance(numel, torch.SymInt) else int(numel)
+                peak += numel * max(4, v.element_size())
+    return peak
 
 
 def _region(key: str) -> _Region:

@@ -85,6 +85,17 @@ def test_every_prediction_variant_traces():
         assert tiled.memory(long)["peak"] < dense.memory(long)["peak"] / 10
     with pytest.raises(ValueError, match="mask must be one of"):
         mm.trace(CFG, "sp_sac", mask="ring")
+    # tiled MLPs save what SAC saves, with a lower peak where the MLP's intermediates dominate it;
+    # offload leaves nothing saved on the device and counts it in host memory
+    tiled = mm.trace(CFG, "sp_sac_tiled", sp_size=2, S=S, mlp_tile=256)  # automatic tiles: one per rank at 16k here
+    offloaded = mm.trace(CFG, "sp_sac_offload", sp_size=2, S=S)
+    both = mm.trace(CFG, "sp_sac_tiled_offload", sp_size=2, S=S, mlp_tile=256)
+    for n in (S, long):
+        sac, t, o, b = causal.memory(n), tiled.memory(n), offloaded.memory(n), both.memory(n)
+        assert t["saved"] <= 1.01 * sac["saved"], (t, sac)
+        assert sac["host"] == t["host"] == 0 and o["saved"] <= 0.05 * sac["saved"] and o["host"] >= 0.9 * sac["saved"], (o, sac)  # a saved view copies less than the base it kept alive
+        assert b["host"] > 0
+    assert t["peak"] < sac["peak"] and b["peak"] < o["peak"], (t, sac)  # at 16k tokens the tiles pay
 
 
 def _liveness_peak(f) -> int:
