@@ -1,6 +1,6 @@
 """One-GPU check of the trainability model: real allocator peaks against its predictions.
 
-On one device, each variant of ``benchmarks/memory_model.py`` trains a Llama with real shapes
+On one device, each variant of ``lightning_autosp/memory/model.py`` trains a Llama with real shapes
 (default: Llama-3.2-1B with 4 layers, bf16) and the script measures, per sequence length:
 
 * the bytes autograd keeps for backward (``saved_tensors_hooks``) and the activation peak of
@@ -43,7 +43,7 @@ VARIANTS = ("no_sp", "sp", "sp_sac")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    import memory_model as mm
+    from lightning_autosp.memory import model as mm
 
     p = parser(__doc__)
     p.add_argument("--device", default="cuda")
@@ -96,7 +96,7 @@ def build(variant: str, cfg, args: argparse.Namespace, device: torch.device) -> 
     from lightning_autosp.examples.models import Llama
     from lightning_autosp.passes.sac import SACConfig
 
-    import memory_model as mm
+    from lightning_autosp.memory import model as mm
 
     torch.manual_seed(0)
     model = mm.keep_rope_fp32(Llama(cfg).to(device=device, dtype=torch.bfloat16))
@@ -147,7 +147,7 @@ def measure(model, fn, dev: Device, S: int, reps: int, full: bool = True) -> dic
 def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda res: None) -> dict:
     """Every variant in turn; ``save`` gets the results so far after each one. Variants not
     started within ``--max-minutes`` are skipped (listed in ``skipped``)."""
-    import memory_model as mm
+    from lightning_autosp.memory import model as mm
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from lightning_autosp.examples.models import LlamaConfig

@@ -320,14 +320,14 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     return {"ulysses": ulysses, "variants": res}
 
 
-#: the memory-model variant (``benchmarks/memory_model.py``) that predicts each measured one
+#: the memory-model variant (``lightning_autosp/memory/model.py``) that predicts each measured one
 MODEL_OF = {"autosp_sac": "sp_sac", "autosp": "sp", "ulysses_eager": "ulysses_eager", "ddp_compiled": "no_sp"}
 
 
 def add_predictions(results: dict) -> None:
     """The memory model's saved bytes per rank for each variant and process count, traced
     for this run's model and timed length (fp32): the measured column checks the model."""
-    import memory_model as mm
+    from lightning_autosp.memory import model as mm
 
     a = results["args"]
     cfg = llama_config(a, max_seq_len=a["search_max"])

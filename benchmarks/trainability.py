@@ -2,7 +2,7 @@
 
 For Llama-3.2-1B and Llama-3.1-8B shapes (configurations only; no weights are loaded and
 nothing is run) the training step is traced through the same passes AutoSP applies, for rank
-0 of an 8-way SP group (``benchmarks/memory_model.py``), and per-rank memory is
+0 of an 8-way SP group (``lightning_autosp/memory/model.py``), and per-rank memory is
 
     static (parameters, gradients, optimizer states; per data-parallel setting)
   + the activation peak of the step (saved activations + transients, from a liveness walk)
@@ -46,10 +46,11 @@ import time
 from dataclasses import replace
 from typing import Optional
 
-import memory_model as mm
+from lightning_autosp.memory import model as mm
 from _common import GiB, arguments, finish, machine, parser, plot_panels
 
 from lightning_autosp.examples.models import LlamaConfig
+from lightning_autosp.memory.plan import limit_of, longest, static_bytes
 
 SETTINGS = ("zero3", "autosp_fsdp", "ddp")
 # the sharded mode is AutoSP's own: only its variants run under it
@@ -98,50 +99,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def static_bytes(params: dict[str, int], setting: str, world: int) -> dict[str, int]:
-    """Per-rank bytes of bf16 parameters and gradients, fp32 optimizer state (master weights
-    and two Adam moments) and, for ZeRO-3, the largest module's gathered parameters (two
-    copies: computing and prefetched) and unsharded gradients (before the reduce-scatter).
-    Parameter gradients are therefore not counted again in the activation peak."""
-    n, largest = params["total"], max(params["layer"], params["embedding"])
-    if setting == "autosp_fsdp":  # fp32 shards (parameter, gradient, two moments)
-        out = {"parameters": 4 * n // world, "gradients": 4 * n // world, "optimizer": 8 * n // world}
-        out["gathered"] = (2 + 4) * largest  # the bf16 gather + the fp32 gradient before its reduce-scatter
-        out["total"] = sum(out.values())
-        return out
-    shard = world if setting == "zero3" else 1
-    out = {"parameters": 2 * n // shard, "gradients": 2 * n // shard, "optimizer": 12 * n // shard}
-    out["gathered"] = 3 * 2 * largest if setting == "zero3" else 0
-    out["total"] = sum(out.values())
-    return out
-
-
-def longest(memory, static: int, budget: float, granule: int, limit: int = 1 << 24, host_budget: float = float("inf")) -> int:
-    """The largest multiple of ``granule`` (up to ``limit``) whose step fits - on the device, and
-    in the host memory a rank may fill with offloaded activations; 0 if none does."""
-    fits = lambda S: static + (m := memory(S))["peak"] <= budget and m.get("host", 0) <= host_budget  # noqa: E731
-    lo, hi = 0, limit // granule
-    if not fits(granule):
-        return 0
-    while lo < hi:  # peak memory grows with S
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid * granule) else (lo, mid - 1)
-    return lo * granule
-
-
 def pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1) if n > 0 else 0
-
-
-def limit_of(memory, static: int, budget: float, host_budget: float, S: int, granule: int) -> str:
-    """What stops the next length: the device (its static memory, what the forward saves on it, or the
-    transients of the peak) or the host memory."""
-    nxt = memory(S + granule)
-    if nxt.get("host", 0) > host_budget:
-        return "host memory"
-    saved, peak = nxt["saved"], nxt["peak"]
-    parts = {"static": static, "saved on the device": saved, "transients at the peak": peak - saved}
-    return "device: " + max(parts, key=parts.get) + " largest"
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -159,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
         # linear extrapolation in depth, checked against a real 4-layer trace
         check = mm.trace(replace(cfg, n_layers=4), "sp_sac", args.sp_size).memory(65536)
         pred = models["sp_sac"].memory(65536, n_layers=4)
-        extrapolation_err = max(abs(pred[k] - check[k]) / check[k] for k in check)
+        extrapolation_err = max(abs(pred[k] - check[k]) / check[k] for k in check if check[k])
         per_token = {v: m.memory(65536)["saved"] / 65536 for v, m in models.items()}
         rows: dict = {}
         for setting in args.settings:
@@ -172,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
                 S = longest(m.memory, static, budget, args.granule, host_budget=host_budget)
                 rows[setting]["variants"][v] = {
                     "longest": S, "pow2": pow2_floor(S), "memory_at_longest": m.memory(S) if S else None,
-                    "limit": limit_of(m.memory, static, budget, host_budget, S, args.granule),
+                    "limit": limit_of(m.memory, static, host_budget, S, args.granule),
                 }
         masks = {}
         for setting in args.settings:

@@ -114,7 +114,8 @@ def workspace_bytes(key: str, tile: int, backward: bool = False) -> int:
     placeholders = [n for n in nodes if n.op == "placeholder"]
     rows = placeholders[0].meta["val"].shape[0]
     env = rows.node.shape_env
-    binding = {sym: env.var_to_val[sym] for sym in env.var_to_val}
+    hints = getattr(env, "backed_var_to_val", None) or env.var_to_val  # renamed in torch 2.13
+    binding = dict(hints)
     binding[rows.node.expr] = tile
 
     def nbytes(n: fx.Node) -> int:

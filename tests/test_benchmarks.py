@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import gpu_check  # noqa: E402
 from _common import SavedBytes  # noqa: E402
-import memory_model as mm  # noqa: E402
+from lightning_autosp.memory import model as mm  # noqa: E402
 import trainability  # noqa: E402
 from sp_harness import spawn  # noqa: E402
 
@@ -96,6 +96,12 @@ def test_every_prediction_variant_traces():
         assert sac["host"] == t["host"] == 0 and o["saved"] <= 0.05 * sac["saved"] and o["host"] >= 0.9 * sac["saved"], (o, sac)  # a saved view copies less than the base it kept alive
         assert b["host"] > 0
     assert t["peak"] < sac["peak"] and b["peak"] < o["peak"], (t, sac)  # at 16k tokens the tiles pay
+    # the offload variants read the base trace as offloaded; through AutoSP's offload pass instead
+    real = mm.trace(CFG, "sp_sac_offload", sp_size=2, S=S, offload_pass=True)
+    for n in (S, long):
+        got, want = offloaded.memory(n), real.memory(n)
+        for k in ("saved", "peak", "host"):
+            assert abs(got[k] - want[k]) <= 0.1 * max(want[k], 1), (n, k, got, want)
 
 
 def _liveness_peak(f) -> int:

@@ -150,9 +150,11 @@ def is_offload(node: fx.Node) -> bool:
 def _candidates(fw: fx.GraphModule, num_fwd_outputs: int) -> list[tuple[int, fx.Node, int]]:
     """``(position in the forward's outputs, node, bytes)`` of each saved activation that can move:
     a tensor computed in forward (not a graph input, not a view of one), dense (its copy keeps its
-    strides), on its own allocation, in forward order."""
+    strides), not also returned to the caller (that one stays on the device anyway), in forward
+    order."""
     outs = tree_leaves(fw.graph.find_nodes(op="output")[0].args[0])
     order = {n: i for i, n in enumerate(fw.graph.nodes)}
+    returned = {producer(n) for n in outs[:num_fwd_outputs] if isinstance(n, fx.Node)}
     seen: set[fx.Node] = set()
     found = []
     for pos, n in enumerate(outs):
@@ -161,7 +163,7 @@ def _candidates(fw: fx.GraphModule, num_fwd_outputs: int) -> list[tuple[int, fx.
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.numel() == 0 or not dense_or_false(val):
             continue
-        if producer(n).op == "placeholder" or n in seen:
+        if producer(n).op == "placeholder" or producer(n) in returned or n in seen:
             continue
         seen.add(n)
         found.append((pos, n, hinted_bytes(val)))

@@ -60,7 +60,6 @@ import operator
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
-import _common  # noqa: F401  (puts the checkout on sys.path)
 import sympy
 import torch
 import torch.fx as fx
@@ -71,14 +70,16 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch.utils._pytree import tree_leaves
 
 from lightning_autosp import fused_loss, tiled_attention, tiled_rows
-from lightning_autosp.passes.accounting import is_alias
+from lightning_autosp.passes.accounting import empty_by_kind, is_alias, list_saved_activations
 from lightning_autosp.examples.models import Llama, LlamaConfig
 from lightning_autosp.passes import sequence_parallel_pass
 from lightning_autosp.passes.offload import OffloadConfig
 from lightning_autosp.passes.sac import SACConfig, SACPartitioner
 from lightning_autosp.passes.tiled_mlp import tile_token_regions
 
-__all__ = ["PRESETS", "VARIANTS", "MASKS", "Trace", "trace", "Walk", "walk", "LayerModel", "layer_model", "param_counts"]
+__all__ = [
+    "PRESETS", "VARIANTS", "MASKS", "Trace", "trace", "Walk", "walk", "LayerModel", "layer_model", "offloaded", "param_counts",
+]
 
 #: Published shapes (Hugging Face ``config.json``). Llama-3.2-1B ties its input embedding and
 #: output head; the bundled model has an untied head, which only adds one vocab x dim matrix
@@ -135,6 +136,8 @@ class Trace:
     fw: fx.GraphModule
     bw: fx.GraphModule
     num_fwd_outputs: int
+    #: read as activation offload of every saved tensor (``walk(offload=True)``)
+    offload: bool = False
     _sizes: dict = field(default_factory=dict, repr=False)
 
     def nbytes(self, expr: sympy.Expr, S: int) -> int:
@@ -146,15 +149,26 @@ class Trace:
             self._sizes[key] = int(expr.xreplace({s: sympy.Integer(S) for s in expr.free_symbols}))
         return self._sizes[key]
 
-    def memory(self, S: int, count_grads: bool = False) -> dict[str, int]:
+    def memory(self, S: int, count_grads: bool = False, offload: bool = False) -> dict[str, int]:
         """``saved``, ``fw_peak`` and ``bw_peak`` activation bytes of rank 0 at length ``S``.
 
         ``count_grads``: also count the parameter gradients the backward graph returns, live
         from when each is made to the end of the graph (a run whose ``.grad`` already exists);
-        by default they are left to the static memory."""
-        fw = walk(self.fw, S, self, saved_from=None, num_fwd_outputs=self.num_fwd_outputs)
+        by default they are left to the static memory. ``offload``: every saved tensor in host
+        memory from its last forward use to its first backward use (:func:`walk`)."""
+        fw = walk(self.fw, S, self, saved_from=None, num_fwd_outputs=self.num_fwd_outputs, offload=offload or self.offload)
         bw = walk(self.bw, S, self, saved_from=fw, count_grads=count_grads)
         return {"saved": fw.saved, "fw_peak": fw.peak, "bw_peak": bw.peak, "peak": max(fw.peak, bw.peak), "host": fw.host}
+
+    def saved_by_kind(self, S: int) -> dict[str, int]:
+        """Bytes saved on the device per op kind (the memory report's kinds) at length ``S``."""
+        out = empty_by_kind()
+        if self.offload:
+            return out
+        for t in list_saved_activations(self.fw, self.num_fwd_outputs):
+            if not t.host:
+                out[t.kind] += self.nbytes(t.nbytes, S)
+        return out
 
 
 def _tensor_bytes(val: Any) -> Optional[sympy.Expr]:
@@ -174,6 +188,7 @@ def _is_alias_node(n: Any) -> bool:
 
 _FUSED_LOSS = torch.ops.autosp_loss.linear_cross_entropy.default
 _OFFLOAD = torch.ops.autosp_offload.offload.default
+_RELOAD = torch.ops.autosp_offload.reload.default
 #: tiled MLP ops -> (position of the region key, of the tile size, backward)
 _TILED_ROWS = {torch.ops.autosp_tile.rows.default: (2, 3, False), torch.ops.autosp_tile.rows_backward.default: (3, 4, True)}
 _TILED = {
@@ -212,13 +227,20 @@ class Walk:
     size: dict[Any, int]
     #: bytes the forward moved to host memory (activation offload): not on the device
     host: int = 0
+    #: the allocations moved there (``walk(offload=True)``)
+    moved: set = field(default_factory=set)
 
 
 def walk(
-    gm: fx.GraphModule, S: int, tr: Trace, saved_from: Optional[Walk], num_fwd_outputs: int = 0, count_grads: bool = False
+    gm: fx.GraphModule, S: int, tr: Trace, saved_from: Optional[Walk], num_fwd_outputs: int = 0, count_grads: bool = False,
+    offload: bool = False,
 ) -> Walk:
     """Liveness walk over one graph. For the backward graph (``saved_from`` = the forward's
-    walk) the placeholders that the forward saved refer to the forward's allocations."""
+    walk) the placeholders that the forward saved refer to the forward's allocations.
+
+    ``offload`` (forward): what activation offload does to every saved allocation - it leaves the
+    device after its last forward use (its bytes count as ``host``) and, in the backward walk,
+    comes back at its first use there."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     storage: dict[fx.Node, Any] = {}  # node -> the allocation it refers to
@@ -232,7 +254,11 @@ def walk(
             if n.name in saved_from.outputs:  # saved by the forward
                 key = saved_from.outputs[n.name]
                 if key is not None:
-                    storage[n], size[key], born[key] = key, saved_from.size[key], -1
+                    first = min((index[u] for u in n.users), default=len(nodes)) if key in saved_from.moved else -1
+                    storage[n], size[key] = key, saved_from.size[key]
+                    born[key] = min(born.get(key, first), first)
+                continue
+            if any(u.target is _RELOAD for u in n.users):  # a host copy (offload pass): its reload allocates
                 continue
             b = _tensor_bytes(n.meta.get("val"))  # the loss gradient
             if b is not None:
@@ -278,12 +304,16 @@ def walk(
             k = storage.get(a)
             if k is not None:
                 last[k] = max(last[k], index[n])
+    moved: set = set()
     if saved_from is None:  # forward: the loss and the saved tensors outlive the graph
-        for o in outs:
-            if storage.get(o) is not None:
-                last[storage[o]] = len(nodes)
         kept = {storage[o] for o in outs[num_fwd_outputs:] if storage.get(o) is not None}
-        saved = sum(size[k] for k in kept)
+        returned = {storage[o] for o in outs[:num_fwd_outputs] if storage.get(o) is not None}
+        if offload:  # what stays is what the user gets back; the rest goes to host memory
+            moved = {k for k in kept if k not in returned and size[k]}
+            host += sum(size[k] for k in moved)
+        for k in (kept | returned) - moved:
+            last[k] = len(nodes)
+        saved = sum(size[k] for k in kept - moved)
     else:  # backward: parameter gradients live to the end of the graph, or belong to the static memory
         for o in outs:
             if storage.get(o) is not None and born.get(storage[o], -1) >= 0:
@@ -302,11 +332,12 @@ def walk(
         live += sum(size[k] for k in births.get(i, ()))
         peak = max(peak, live)
         live -= sum(size[k] for k in deaths.get(i, ()))
-    return Walk(peak=peak, saved=saved, outputs={o.name: storage.get(o) for o in outs}, size=size, host=host)
+    return Walk(peak=peak, saved=saved, outputs={o.name: storage.get(o) for o in outs}, size=size, host=host, moved=moved)
 
 
 def _backend(
-    variant: str, sp_size: int, out: list, native_gqa: Optional[bool] = False, tiled: bool = True, mlp_tile: int = 0
+    variant: str, sp_size: int, out: list, native_gqa: Optional[bool] = False, tiled: bool = True, mlp_tile: int = 0,
+    offload_pass: bool = False,
 ) -> Callable:
     """A backend that partitions like AutoSP (``*_eager`` variants: as eager autograd saves),
     appends ``(fw, bw, num_fwd_outputs)`` to ``out`` and stops the compile."""
@@ -314,7 +345,7 @@ def _backend(
         SACConfig() if variant.startswith("sp_sac") else None,
         partition_fn=default_partition if variant.endswith("_eager") else min_cut_rematerialization_partition,
         checked=variant != "no_sp_ac",  # full activation checkpointing recomputes attention by design
-        offload=OffloadConfig(True) if variant.endswith("offload") else None,
+        offload=OffloadConfig(True) if offload_pass else None,
     )
 
     def keep_graphs(gm: fx.GraphModule, joint_inputs: list, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -341,6 +372,7 @@ def _backend(
 def trace(
     cfg: LlamaConfig, variant: str, sp_size: int = 8, dtype: torch.dtype = torch.bfloat16, S: int = 8192,
     native_gqa: Optional[bool] = False, mask: str = "causal", tiled: bool = True, mlp_tile: int = 0,
+    offload_pass: bool = False,
 ) -> Trace:
     """Trace one training step (forward + token-mean cross-entropy) of ``Llama(cfg)``, with
     attention under ``mask`` (:data:`MASKS`; ``tiled``: evaluated per tile by AutoSP's variants).
@@ -353,9 +385,14 @@ def trace(
     attention kernel (which, like flash attention, keeps only the output and the log-sum-exp)
     is the one traced; they are never read. ``S`` only seeds the trace: the length is dynamic.
     ``mlp_tile``: rows per MLP tile of the ``*tiled*`` variants (0: sized automatically).
+    The ``*_offload`` variants are their base variant's trace read with every saved tensor
+    offloaded (:func:`walk`); ``offload_pass`` traces them through AutoSP's offload pass instead.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if variant.endswith("_offload") and not offload_pass:
+        base = trace(cfg, variant.removesuffix("_offload"), sp_size, dtype, S, native_gqa, mask, tiled, mlp_tile)
+        return Trace(fw=base.fw, bw=base.bw, num_fwd_outputs=base.num_fwd_outputs, offload=True)
     if mask not in MASKS:
         raise ValueError(f"mask must be one of {MASKS}, got {mask!r}")
     if mask == "window":
@@ -378,7 +415,7 @@ def trace(
     graphs: list = []
     torch._dynamo.reset()
     try:
-        backend = _backend(variant, sp_size, graphs, native_gqa, tiled, mlp_tile)
+        backend = _backend(variant, sp_size, graphs, native_gqa, tiled, mlp_tile, offload_pass)
         torch.compile(step, backend=backend, fullgraph=True)(ids, labels, docs)
     except Exception as e:  # Dynamo wraps the backend's exception
         if not graphs or not _caused_by(e, _Traced):
@@ -410,6 +447,11 @@ class LayerModel:
         a, b = self.low.memory(S, count_grads), self.high.memory(S, count_grads)
         return {k: a[k] + (n - self.base) * (b[k] - a[k]) for k in a}
 
+    def saved_by_kind(self, S: int, n_layers: Optional[int] = None) -> dict[str, int]:
+        n = self.n_layers if n_layers is None else n_layers
+        a, b = self.low.saved_by_kind(S), self.high.saved_by_kind(S)
+        return {k: a[k] + (n - self.base) * (b[k] - a[k]) for k in a}
+
 
 #: the shallower of the two traced depths. The first block differs (its backward's peak sits
 #: differently once the loss no longer dominates), so 2 and 3 layers, not 1 and 2.
@@ -424,6 +466,12 @@ def layer_model(
         high=trace(replace(cfg, n_layers=BASE_LAYERS + 1), variant, sp_size, dtype, mask=mask, tiled=tiled),
         n_layers=cfg.n_layers, base=BASE_LAYERS,
     )
+
+
+def offloaded(lm: LayerModel) -> LayerModel:
+    """``lm`` read with every saved tensor offloaded (the ``*_offload`` variant of its variant)."""
+    read = lambda t: Trace(fw=t.fw, bw=t.bw, num_fwd_outputs=t.num_fwd_outputs, offload=True)  # noqa: E731
+    return LayerModel(low=read(lm.low), high=read(lm.high), n_layers=lm.n_layers, base=lm.base)
 
 
 def param_counts(cfg: LlamaConfig, tied: bool) -> dict[str, int]:
