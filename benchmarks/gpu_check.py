@@ -39,7 +39,9 @@ from _common import (
     GiB, MiB, PeakRSS, SavedBytes, arguments, check_steps_and_seq_lens, finish, machine, median_seconds, parser, write_json,
 )
 
-VARIANTS = ("no_sp", "sp", "sp_sac")
+VARIANTS = ("no_sp", "sp", "sp_sac", "sp_sac_tiled", "sp_sac_offload", "sp_block_offload")
+#: the variants not run by default (tiled MLPs, offload and whole-block recomputation: --variants)
+EXTRA_VARIANTS = ("sp_sac_tiled", "sp_sac_offload", "sp_block_offload")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -52,7 +54,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a small model (a dry run of this script, e.g. on CPU)")
     p.add_argument("--sp-size", type=int, default=8)
     p.add_argument("--backend", choices=["inductor", "aot_eager"], default="inductor")
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=[v for v in VARIANTS if v not in EXTRA_VARIANTS])
+    p.add_argument("--mlp-tile", type=int, default=1024, help="rows per MLP tile of sp_sac_tiled")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--reps", type=int, default=3, help="timed steps per length (>= 1)")
     p.add_argument("--budget-gib", type=float, default=32.0, help="activation memory budget for the length search")
@@ -94,6 +97,7 @@ class Device:
 def build(variant: str, cfg, args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Callable]:
     from lightning_autosp.backend import AutoSPBackend
     from lightning_autosp.examples.models import Llama
+    from lightning_autosp.passes.offload import OffloadConfig
     from lightning_autosp.passes.sac import SACConfig
 
     from lightning_autosp.memory import model as mm
@@ -107,9 +111,10 @@ def build(variant: str, cfg, args: argparse.Namespace, device: torch.device) -> 
 
     if variant == "no_sp":
         return model, torch.compile(step, backend=args.backend)
-    sac = SACConfig() if variant == "sp_sac" else None
+    sac = SACConfig(block=variant.startswith("sp_block")) if variant.startswith(("sp_sac", "sp_block")) else None
     backend = AutoSPBackend(
-        sp_size=args.sp_size, sp_rank=0, group_name=dist.group.WORLD.group_name, backend=args.backend, sac=sac
+        sp_size=args.sp_size, sp_rank=0, group_name=dist.group.WORLD.group_name, backend=args.backend, sac=sac,
+        mlp_tile=args.mlp_tile if "tiled" in variant else None, offload=OffloadConfig(True) if variant.endswith("offload") else None,
     )
     return model, torch.compile(step, backend=backend)
 
@@ -172,7 +177,7 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda res: Non
         if out_of_time():
             res["skipped"].append(variant)
             continue
-        model_mem = mm.layer_model(cfg, variant, args.sp_size)
+        model_mem = mm.layer_model(cfg, variant, args.sp_size, mlp_tile=args.mlp_tile)
         model, fn = build(variant, cfg, args, device)
         rows = {}
         for S in args.seq_lens:
@@ -225,18 +230,19 @@ def markdown(res: dict) -> str:
         f"alone (fake process group). Peaks: {'allocator' if res['device'] != 'CPU' else 'resident memory'}, above the "
         "level before the step (weights and gradients excluded).",
         "",
-        f"| variant | S | saved MiB (predicted) | measured / predicted | activation peak MiB (predicted) | measured / "
+        f"| variant | S | saved MiB, device + host (predicted) | measured / predicted | activation peak MiB (predicted) | measured / "
         f"predicted | step s | tokens/s on this device | longest S within {a['budget_gib']:g} GiB, measured (predicted) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for v, r in res["variants"].items():
         for i, (S, x) in enumerate(r["lengths"].items()):
             p = x["predicted"]
+            p_saved = p["saved"] + p.get("host", 0)  # autograd's saved tensors: on the device or offloaded to the host
             oom = f", out of memory at {r['oom_at']}" if r["oom_at"] else ""
             oom += " (search cut short by --max-minutes)" if r.get("search_cut") else ""
             longest = f"{r['longest']} ({r['longest_predicted']}){oom}" if i == 0 else ""
             lines.append(
-                f"| {v} | {S} | {x['saved'] / MiB:.0f} ({p['saved'] / MiB:.0f}) | {x['saved'] / p['saved']:.2f} | "
+                f"| {v} | {S} | {x['saved'] / MiB:.0f} ({p_saved / MiB:.0f}) | {x['saved'] / max(p_saved, 1):.2f} | "
                 f"{x['peak'] / MiB:.0f} ({p['peak'] / MiB:.0f}) | {x['peak'] / p['peak']:.2f} | {x['step_s']:.3f} | "
                 f"{x['tokens_per_s']:.0f} | {longest} |"
             )

@@ -5,7 +5,8 @@ shapes), ``checkpoint_io.py`` (save/load, replicated against sharded), ``sp_thro
 again (sharded against replicated) and ``sharded_mode.py`` (the sharded mode's working set,
 collectives and building from meta), ``vocab_loss.py`` (the
 fused loss against full logits), ``compile_time.py`` (first step against depth), ``masks.py`` (packed
-documents and sliding windows, dense against tiled masks), ``sp_split.py`` (per-rank saved bytes at sp=2 and 4
+documents and sliding windows, dense against tiled masks), ``long_rows.py`` (tiled MLPs and offload at 32k),
+``sp_split.py`` (per-rank saved bytes at sp=2 and 4
 against sp=1, and the ops run replicated), ``gpu_check.py`` (only with CUDA; without it the last GPU results in
 ``benchmarks/results/gpu_check.json`` are shown, if any). Results go to
 ``benchmarks/results/`` (JSON and PNG) and the page is rendered from them.
@@ -29,6 +30,7 @@ import _common
 import checkpoint_io
 import compile_time
 import gpu_check
+import long_rows
 import masks
 import sp_split
 import sharded_mode
@@ -59,6 +61,7 @@ def run_all() -> None:
     compile_time.main(["--out", str(RESULTS / "compile_time.json")])
     masks.main(["--out", str(RESULTS / "masks.json")])
     sp_split.main(["--seq-len", "1024", "--sp", "2", "4", "--out", str(RESULTS / "sp_split.json")])
+    long_rows.main(["--seq-len", "32768", "--out", str(RESULTS / "long_rows.json")])
     if torch.cuda.is_available():
         gpu_check.main(["--out", str(RESULTS / "gpu_check.json")])
 
@@ -193,6 +196,12 @@ def render() -> str:
         page.append(t["split"].substitute(
             table=sp_split.report(split), wall_min=f"{split['wall_s'] / 60:.0f}", seq_len=f"{split['config']['seq_len']:,}",
             machine=split["machine"],
+        ))
+    lr = _load("long_rows")
+    if lr:
+        page.append(t["long_rows"].substitute(
+            table=long_rows.report(lr), wall_min=f"{lr['wall_s'] / 60:.0f}", seq_len=f"{lr['config']['seq_len']:,}",
+            machine=lr["machine"],
         ))
     page.append(t["reproduce"].substitute(date=time.strftime("%Y-%m-%d")))
     return "\n".join(page)

@@ -54,11 +54,18 @@ from lightning_autosp.memory.plan import limit_of, longest, static_bytes
 
 SETTINGS = ("zero3", "autosp_fsdp", "ddp")
 # the sharded mode is AutoSP's own: only its variants run under it
-SETTING_VARIANTS = {"autosp_fsdp": ("sp", "sp_sac", "sp_sac_logits", "sp_sac_tiled", "sp_sac_offload", "sp_sac_tiled_offload")}
+SETTING_VARIANTS = {
+    "autosp_fsdp": (
+        "sp", "sp_sac", "sp_sac_logits", "sp_sac_tiled", "sp_sac_offload", "sp_sac_tiled_offload", "sp_block", "sp_block_offload",
+        "sp_block_tiled", "sp_block_tiled_offload",
+    ),
+}
 #: DeepSpeed ALST (2025), Llama-3.1-8B on one node of 8 x H100 80 GB: measured, tokens per sequence
 ALST_8B_NODE = 3_700_000
 #: the options added in turn in the comparison with ALST (autosp_fsdp)
-ALST_STEPS = ("sp_sac", "sp_sac_tiled", "sp_sac_offload", "sp_sac_tiled_offload")
+ALST_STEPS = (
+    "sp_sac", "sp_sac_tiled", "sp_sac_offload", "sp_sac_tiled_offload", "sp_block", "sp_block_offload", "sp_block_tiled_offload",
+)
 LABELS = {
     "no_sp_eager": "no SP, eager autograd",
     "no_sp": "no SP, compiled",
@@ -70,6 +77,10 @@ LABELS = {
     "sp_sac_tiled": "AutoSP + SAC + tiled MLP",
     "sp_sac_offload": "AutoSP + SAC + activation offload",
     "sp_sac_tiled_offload": "AutoSP + SAC + tiled MLP + activation offload",
+    "sp_block": "AutoSP, blocks recomputed whole (sac='block')",
+    "sp_block_offload": "AutoSP, blocks recomputed whole + activation offload",
+    "sp_block_tiled": "AutoSP, blocks recomputed whole + tiled MLP",
+    "sp_block_tiled_offload": "AutoSP, blocks recomputed whole + tiled MLP + activation offload",
 }
 PAPER = {"autosp_vs_handwritten": 2.7, "sac_vs_sp": 1.66, "vs_zero3_8b": 5.6}
 #: AutoSP + SAC under other masks than plain causal: (mask, tiled) -> label
@@ -112,7 +123,10 @@ def run(args: argparse.Namespace) -> dict:
         cfg = LlamaConfig(**preset["config"], max_seq_len=1 << 24)
         params = mm.param_counts(cfg, preset["tied"])
         t = time.perf_counter()
-        models = {v: mm.layer_model(cfg, v, args.sp_size) for v in mm.VARIANTS}
+        models: dict = {}
+        for v in mm.VARIANTS:  # an offload variant reads its base variant's traces
+            base = v.removesuffix("_offload")
+            models[v] = mm.offloaded(models[base]) if base != v and base in models else mm.layer_model(cfg, v, args.sp_size)
         masked = {key: models["sp_sac"] if key == ("causal", True) else mm.layer_model(cfg, "sp_sac", args.sp_size, mask=key[0], tiled=key[1])
                   for key in MASK_ROWS}
         # linear extrapolation in depth, checked against a real 4-layer trace

@@ -23,7 +23,7 @@ __all__ = ["check_arguments"]
 
 
 def check_arguments(
-    sp_size: Optional[int], compile_backend: str, sac: bool, sac_recompute: Sequence[str], sac_memory_budget: float,
+    sp_size: Optional[int], compile_backend: str, sac: Union[bool, str], sac_recompute: Sequence[str], sac_memory_budget: float,
     seq_dim: int, fsdp: Union[bool, str], param_dtype: Optional[Union[str, torch.dtype]],
     reduce_dtype: Optional[Union[str, torch.dtype]], pretrained: Optional[dict[str, str]], chunked_loss: Union[bool, int],
     tiled_attention: Union[bool, int] = True, strict: bool = False, activation_offload: Union[bool, str] = "auto",
@@ -32,6 +32,11 @@ def check_arguments(
     validate_sp_size(sp_size)
     if compile_backend not in SUPPORTED_BACKENDS:
         raise ValueError(f"AutoSPStrategy(compile_backend={compile_backend!r}): choose one of {list(SUPPORTED_BACKENDS)}.")
+    if sac not in (True, False, "block"):
+        raise ValueError(
+            f"AutoSPStrategy(sac={sac!r}): pass True (recompute matmuls and norms, keep attention), 'block' (recompute "
+            "every transformer block whole from its input, attention included: the least memory) or False."
+        )
     if sac and compile_backend not in AOT_BACKENDS:
         raise ValueError(
             f"AutoSPStrategy(compile_backend={compile_backend!r}, sac=True): sequence-aware activation "
@@ -73,6 +78,8 @@ def check_arguments(
         )
     sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)  # checked even when off
     offload = _offload_config(activation_offload, memory_budget, compile_backend)
+    if sac == "block":
+        sac_config = SACConfig(recompute=sac_config.recompute, memory_budget=sac_config.memory_budget, block=True)
     step = StepConfig(compile_backend, sac_config if sac else None, seq_dim, loss_chunk, attention_tile, strict, offload, mlp_tile)
     return step, fsdp_config
 

@@ -78,7 +78,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         self,
         sp_size: Optional[int] = None,
         compile_backend: str = "inductor",
-        sac: bool = True,
+        sac: Union[bool, str] = True,
         sac_recompute: Sequence[str] = ("linear", "norm"),
         sac_memory_budget: float = 1.0,
         seq_dim: int = 1,

@@ -73,7 +73,11 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
             partitioner recomputes projections, MLPs and norms in backward
             instead of saving their outputs, while attention outputs (and what SDPA's backward
             needs) and every collective stay saved. Gradients are unchanged; no collective runs
-            again in backward. ``False`` keeps PyTorch's default partition.
+            again in backward. ``"block"`` recomputes every transformer block (an element of a
+            ``ModuleList``) whole from its input instead, attention and its all-to-alls included,
+            and saves only what each block hands on (with ``activation_offload``: DeepSpeed ALST's
+            scheme) - the least memory, for one more forward per block. ``False`` keeps
+            PyTorch's default partition.
         sac_recompute: op kinds SAC recomputes, out of ``"linear"`` (matmuls and MLP
             activations), ``"norm"``, ``"embedding"``, ``"loss"``, ``"other"``; YAML:
             ``sac_recompute: [linear, norm]``.
@@ -145,7 +149,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         self,
         sp_size: Optional[int] = None,
         compile_backend: str = "inductor",
-        sac: bool = True,
+        sac: Union[bool, str] = True,
         sac_recompute: Sequence[str] = ("linear", "norm"),
         sac_memory_budget: float = 1.0,
         seq_dim: int = 1,
@@ -205,7 +209,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         )
         self._sp_size_arg = sp_size
         self.compile_backend, self.sac, self.seq_dim = compile_backend, sac, seq_dim
-        self.sac_config = SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)
+        self.sac_config = self._step_config.sac or SACConfig(recompute=tuple(sac_recompute), memory_budget=sac_memory_budget)
         self.fsdp, self.chunked_loss, self.tiled_attention, self.strict = fsdp, chunked_loss, tiled_attention, strict
         self.activation_offload, self.memory_budget, self.tiled_mlp = activation_offload, memory_budget, tiled_mlp
         self._device_mesh: Optional["DeviceMesh"] = None

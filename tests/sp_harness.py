@@ -278,6 +278,10 @@ class Recorder(L.Callback):
             self.rec["dp_group"] = dist.get_process_group_ranks(st.dp_group)
             self.rec["graphs"] = {k: list(c.pass_stats) for k, c in st.compiled_steps.items()}
             self.rec["buckets"] = {k: list(c.bucket_stats) for k, c in st.compiled_steps.items()}
+            self.rec["saved"] = [  # per training graph: ops recomputed in backward, bytes saved on the device and in host memory
+                (dict(r.recomputed), sum(r.bytes_by_kind().values()), r.host_bytes())
+                for r in st.compiled_steps["training_step"].saved_activations
+            ] if "training_step" in st.compiled_steps else []
             if "training_step" in st.compiled_steps:  # how each compile's sizes follow the sequence length
                 self.rec["length_symbols"] = [dict(r.length_symbols) for r in st.compiled_steps["training_step"].saved_activations]
             if not st.fsdp:
@@ -369,6 +373,7 @@ def run_fit(
     distributed_sampler: bool = True,
     tiled_attention: Any = True,
     tiled_mlp: Any = True,
+    activation_offload: Any = "auto",
 ) -> Run:
     """Fit on ``devices`` CPU processes (started by ``start_method``); ``sp_size=None`` means
     plain DDP (``ddp_unshared``: with :class:`Unshared`; ``distributed_sampler=False``: every
@@ -383,6 +388,7 @@ def run_fit(
         strategy = AutoSPStrategy(
             sp_size=sp_size, compile_backend=backend, start_method=start_method, sac=sac, fsdp=fsdp, chunked_loss=chunked_loss,
             pretrained=pretrained, tiled_attention=tiled_attention, tiled_mlp=tiled_mlp,
+            activation_offload=activation_offload,
         )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -456,14 +462,17 @@ def _spawn_entry(rank: int, world: int, port: int, fn: Callable, out_dir: str, a
         dist.destroy_process_group()
 
 
-def spawn(tmp_path: Path, fn: Callable, world: int, *args: Any) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes (``START_METHOD``); return each result."""
+def spawn(tmp_path: Path, fn: Callable, world: int, *args: Any, start_method: Optional[str] = None) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes (``start_method``, default
+    ``START_METHOD``); return each result."""
     import torch.multiprocessing as mp
 
     import tempfile
 
     out = Path(tempfile.mkdtemp(prefix=f"spawn_{fn.__name__}_{world}_", dir=tmp_path))
-    mp.start_processes(_spawn_entry, args=(world, free_port(), fn, str(out), args), nprocs=world, start_method=START_METHOD)
+    mp.start_processes(
+        _spawn_entry, args=(world, free_port(), fn, str(out), args), nprocs=world, start_method=start_method or START_METHOD
+    )
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

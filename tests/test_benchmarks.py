@@ -71,7 +71,7 @@ def test_every_prediction_variant_traces():
     recomputes attention by design: its partition is not refused). A mask built from positions
     saves what plain causal attention saves when tiled, and far more as a dense S x S tensor."""
     S = 256
-    for v in ("no_sp_ac", "ulysses_eager", "sp_sac_logits"):
+    for v in ("no_sp_ac", "ulysses_eager", "sp_sac_logits", "sp_block_tiled"):
         assert mm.trace(CFG, v, sp_size=2, S=S).memory(S)["saved"] > 0
     long = 16384  # the traces are symbolic in the length: read them at another one too
     causal = mm.trace(CFG, "sp_sac", sp_size=2, S=S)
@@ -96,6 +96,9 @@ def test_every_prediction_variant_traces():
         assert sac["host"] == t["host"] == 0 and o["saved"] <= 0.05 * sac["saved"] and o["host"] >= 0.9 * sac["saved"], (o, sac)  # a saved view copies less than the base it kept alive
         assert b["host"] > 0
     assert t["peak"] < sac["peak"] and b["peak"] < o["peak"], (t, sac)  # at 16k tokens the tiles pay
+    # whole blocks recomputed: only what each block hands on is saved, far less than SAC keeps
+    block = mm.trace(CFG, "sp_block", sp_size=2, S=S)
+    assert block.memory(long)["saved"] < 0.6 * causal.memory(long)["saved"]
     # the offload variants read the base trace as offloaded; through AutoSP's offload pass instead
     real = mm.trace(CFG, "sp_sac_offload", sp_size=2, S=S, offload_pass=True)
     for n in (S, long):

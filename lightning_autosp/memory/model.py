@@ -43,6 +43,10 @@ Variants (``VARIANTS``):
 ``sp_sac_offload``  AutoSP + SAC with every saved activation in host memory between forward and
                     backward (``activation_offload=True``): counted apart, as ``host``
 ``sp_sac_tiled_offload``  both
+``sp_block``        AutoSP with every transformer block recomputed whole in backward
+                    (``sac="block"``: only what each block hands on is saved)
+``sp_block_offload``  the same with those saved in host memory (DeepSpeed ALST's scheme)
+``sp_block_tiled``, ``sp_block_tiled_offload``  the same with tiled MLPs
 AutoSP variants (``sp``, ``sp_sac``) compute the loss with the fused, chunked vocabulary
 projection (``chunked_loss=True``, the default); the walk adds its working memory (one
 chunk's logits and their gradient, the fp32 weight-gradient accumulator) at that op.
@@ -97,13 +101,16 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 VARIANTS = (
     "no_sp_eager", "no_sp", "no_sp_ac", "ulysses_eager", "sp", "sp_sac", "sp_sac_logits", "sp_sac_tiled", "sp_sac_offload",
-    "sp_sac_tiled_offload",
+    "sp_sac_tiled_offload", "sp_block", "sp_block_offload", "sp_block_tiled", "sp_block_tiled_offload",
 )
 MASKS = ("causal", "documents", "window")
 #: documents and window of the ``documents`` and ``window`` masks (tokens); neither changes memory
 DOCUMENT_TOKENS, WINDOW_TOKENS = 8192, 4096
 #: variants that use the fused vocabulary loss (``AutoSPStrategy(chunked_loss=True)``)
-FUSED_LOSS_VARIANTS = ("sp", "sp_sac", "sp_sac_tiled", "sp_sac_offload", "sp_sac_tiled_offload")
+FUSED_LOSS_VARIANTS = (
+    "sp", "sp_sac", "sp_sac_tiled", "sp_sac_offload", "sp_sac_tiled_offload", "sp_block", "sp_block_offload", "sp_block_tiled",
+    "sp_block_tiled_offload",
+)
 
 
 class _Checkpointed(torch.nn.Module):
@@ -342,7 +349,7 @@ def _backend(
     """A backend that partitions like AutoSP (``*_eager`` variants: as eager autograd saves),
     appends ``(fw, bw, num_fwd_outputs)`` to ``out`` and stops the compile."""
     partitioner = SACPartitioner(
-        SACConfig() if variant.startswith("sp_sac") else None,
+        SACConfig(block=variant.startswith("sp_block")) if variant.startswith(("sp_sac", "sp_block")) else None,
         partition_fn=default_partition if variant.endswith("_eager") else min_cut_rematerialization_partition,
         checked=variant != "no_sp_ac",  # full activation checkpointing recomputes attention by design
         offload=OffloadConfig(True) if offload_pass else None,
@@ -460,10 +467,11 @@ BASE_LAYERS = 2
 
 def layer_model(
     cfg: LlamaConfig, variant: str, sp_size: int = 8, dtype: torch.dtype = torch.bfloat16, mask: str = "causal", tiled: bool = True,
+    mlp_tile: int = 0,
 ) -> LayerModel:
     return LayerModel(
-        low=trace(replace(cfg, n_layers=BASE_LAYERS), variant, sp_size, dtype, mask=mask, tiled=tiled),
-        high=trace(replace(cfg, n_layers=BASE_LAYERS + 1), variant, sp_size, dtype, mask=mask, tiled=tiled),
+        low=trace(replace(cfg, n_layers=BASE_LAYERS), variant, sp_size, dtype, mask=mask, tiled=tiled, mlp_tile=mlp_tile),
+        high=trace(replace(cfg, n_layers=BASE_LAYERS + 1), variant, sp_size, dtype, mask=mask, tiled=tiled, mlp_tile=mlp_tile),
         n_layers=cfg.n_layers, base=BASE_LAYERS,
     )
 

@@ -6,7 +6,7 @@
 The training step of a Llama with the run's shapes is traced for rank 0 of its SP group and never
 run (:mod:`lightning_autosp.memory.model`: uninitialised weights, sizes symbolic in the length,
 2- and 3-layer traces extrapolated to the full depth), once per combination of AutoSP's memory
-options: SAC, tiled MLPs, activation offload (each added in turn), and parameters replicated
+options: SAC, tiled MLPs, activation offload, whole-block recomputation (each added in turn), and parameters replicated
 (``fsdp=False``) or sharded over every GPU (``fsdp=True``). Per rank: the static memory
 (parameters, gradients, optimizer states, the gathered block under ``fsdp``), what the step saves
 for backward on the device per op kind, the activation peak, what offload keeps in host memory,
@@ -46,6 +46,9 @@ COMBINATIONS = {
     "sp_sac_tiled": dict(sac=True, tiled_mlp=True),
     "sp_sac_offload": dict(sac=True, tiled_mlp=False, activation_offload="auto"),
     "sp_sac_tiled_offload": dict(sac=True, tiled_mlp=True, activation_offload="auto"),
+    "sp_block": dict(sac="block", tiled_mlp=False),
+    "sp_block_offload": dict(sac="block", tiled_mlp=False, activation_offload="auto"),
+    "sp_block_tiled_offload": dict(sac="block", tiled_mlp=True, activation_offload="auto"),
 }
 SETTINGS = ("ddp", "autosp_fsdp")
 
@@ -279,13 +282,13 @@ def render(res: dict) -> None:
         f"{req['gpus_per_node']} GPUs of {req['gpu_memory'] / 10**9:.0f} GB (a step may use {req['usable']:.0%}), sp_size={req['sp_size']}"
     )
     table = Table(title=title, caption="per rank at the length asked: static memory, saved for backward on the device, transients at the peak; host: offloaded, per node")
-    for col in ("fsdp", "SAC", "tiled MLP", "offload", "static", "saved", "transients", "host", "fits", "longest", "limited by"):
+    for col in ("fsdp", "recompute", "tiled MLP", "offload", "static", "saved", "transients", "host", "fits", "longest", "limited by"):
         table.add_column(col, justify="right" if col in ("static", "saved", "transients", "host", "longest") else "left")
     yes = lambda flag: "yes" if flag else "no"  # noqa: E731
     for r in res["combinations"]:
         a, opts = r["at_seq_len"], COMBINATIONS[r["variant"]]
         table.add_row(
-            yes(r["setting"] == "autosp_fsdp"), yes(opts["sac"]), yes(opts.get("tiled_mlp")), yes(opts.get("activation_offload")),
+            yes(r["setting"] == "autosp_fsdp"), {True: "SAC", False: "no", "block": "blocks"}[opts["sac"]], yes(opts.get("tiled_mlp")), yes(opts.get("activation_offload")),
             _size(r["static"]["total"]), _size(a["saved"]), _size(a["peak"] - a["saved"]), _size(a["host"] * req["gpus_per_node"]),
             yes(r["fits"]), f"{r['longest']:,}", r["limit"],
         )

@@ -172,6 +172,13 @@ def node_kind(node: fx.Node) -> str:
     return op_kind(name, _innermost_module_type(node)) if name else "other"
 
 
+def _hinted_bytes(val: torch.Tensor) -> int:
+    numel = 1
+    for d in val.shape:
+        numel *= int(d.node.hint) if isinstance(d, torch.SymInt) and d.node.hint is not None else (int(d) if not isinstance(d, torch.SymInt) else 0)
+    return numel * val.element_size()
+
+
 def _to_expr(v: Any) -> sympy.Expr:
     if isinstance(v, torch.SymInt):
         return sympy.sympify(v.node.expr)
@@ -298,6 +305,13 @@ def list_saved_activations(fw: fx.GraphModule, num_fwd_outputs: int) -> list[Sav
     outs = tree_leaves(out_node.args[0])
     seen: set[fx.Node] = set()
     saved: list[SavedTensor] = []
+    # sizes the graph's inputs fix (the sequence length); any other symbol in a saved size (a
+    # random op's generator state when backward replays it) is taken at its traced value
+    bound = set()
+    for p in fw.graph.find_nodes(op="placeholder"):
+        v = p.meta.get("val")
+        for d in (v.shape if isinstance(v, torch.Tensor) else (v,) if isinstance(v, torch.SymInt) else ()):
+            bound |= _to_expr(d).free_symbols
     for n in outs[num_fwd_outputs:]:
         if not isinstance(n, fx.Node):
             continue
@@ -310,6 +324,8 @@ def list_saved_activations(fw: fx.GraphModule, num_fwd_outputs: int) -> list[Sav
             continue  # saved SymInts
         seen.add(base)
         nbytes = _to_expr(val.numel()) * val.element_size()
+        if not nbytes.free_symbols <= bound:
+            nbytes = sympy.Integer(_hinted_bytes(val))
         saved.append(
             SavedTensor(
                 name=base.name,

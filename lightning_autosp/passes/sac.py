@@ -35,6 +35,7 @@ import contextlib
 import copy
 import logging
 import operator
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ from lightning_autosp.passes.joint_graph import (
     repeat_of_exchange,
 )
 
-__all__ = ["SACConfig", "RECOMPUTABLE_KINDS", "sac_tag_pass", "SACPartitioner"]
+__all__ = ["SACConfig", "RECOMPUTABLE_KINDS", "sac_tag_pass", "block_tag_pass", "SACPartitioner"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,11 @@ class SACConfig:
             of :data:`RECOMPUTABLE_KINDS`. ``"linear"`` covers matmuls (attention projections,
             MLPs, the LM head) and MLP activations; ``"norm"`` layer/RMS norms. Attention and
             collectives are always saved and cannot be listed.
+        block: save only what each transformer block (a module of a ``ModuleList``, as
+            ``model.layers.3``) hands on and recompute the rest of the block in backward, attention
+            and its all-to-alls included (:func:`block_tag_pass`): the least memory, for one more
+            forward of every block. Ops outside the blocks (embedding, final norm, the loss) keep
+            the policy above.
         memory_budget: ``activation_memory_budget`` of the min-cut partitioner for the ops left
             to it, in ``(0, 1]``. ``1`` (default) keeps its runtime-optimal choice; smaller values
             let it recompute more to save memory. Attention and collectives stay saved at any
@@ -92,6 +98,9 @@ class SACConfig:
 
     recompute: tuple[str, ...] = ("linear", "norm")
     memory_budget: float = 1.0
+    #: recompute each transformer block whole from its input (``AutoSPStrategy(sac="block")``):
+    #: attention and its all-to-alls run again in backward; only the blocks' outputs are saved
+    block: bool = False
 
     def __post_init__(self) -> None:
         rec = self.recompute
@@ -179,6 +188,51 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
     return joint
 
 
+_BLOCK = re.compile(r"^(.*)\.(\d+)$")
+
+
+def _block_of(node: fx.Node) -> Optional[str]:
+    """The outermost module of ``node`` that is an element of a ``ModuleList`` (``...layers.3``)."""
+    for value in (node.meta.get("nn_module_stack") or {}).values():
+        path = value[0] if isinstance(value, tuple) else str(value)
+        if _BLOCK.match(path):
+            return path
+    return None
+
+
+def block_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int) -> fx.GraphModule:
+    """Tag a joint graph for whole-block recomputation (in place): in every transformer block,
+    the forward values a later block, the rest of the step or the caller reads are ``MUST_SAVE``
+    and every other forward op of the block is ``MUST_RECOMPUTE`` - attention and collectives
+    included. Untagged ops (outside the blocks) are left to :func:`sac_tag_pass`."""
+    fwd = forward_nodes(joint, num_fwd_outputs)
+    # ops a pass inserted (the SP pass's all-to-alls, pads, slices) carry no module stack: they are
+    # in a block when the ops around them, in program order, are in that same block - so every SP
+    # rank, whatever its token count, tags the same collectives
+    order = [n for n in joint.graph.nodes if n in fwd and n.op == "call_function"]
+    own = {n: _block_of(n) for n in order if n.meta.get("nn_module_stack")}
+    before: list[Optional[str]] = []
+    last: Optional[str] = None
+    for n in order:
+        last = own[n] if n in own else last
+        before.append(last)
+    blocks: dict[fx.Node, Optional[str]] = {}
+    nxt: Optional[str] = None
+    for n, prev in zip(reversed(order), reversed(before)):
+        if n in own:
+            blocks[n] = nxt = own[n]
+        else:
+            blocks[n] = prev if prev is not None and prev == nxt else None
+    output = joint.graph.find_nodes(op="output")[0]
+    fwd_outputs = set(torch.utils._pytree.tree_leaves(output.args[0])[:num_fwd_outputs])
+    for n, block in blocks.items():
+        if block is None:
+            continue
+        leaves = n in fwd_outputs or any(u in fwd and blocks.get(u) != block for u in n.users if u is not output)
+        n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if leaves else CheckpointPolicy.MUST_RECOMPUTE
+    return joint
+
+
 def _recomputable_ancestors(leaves: set[fx.Node], fwd: set[fx.Node]) -> list[fx.Node]:
     """The leaves of a tiled attention's score program and the forward ops they are computed from
     (positions, document ids, padding masks: ``O(S)`` index arithmetic on the step's inputs), up to
@@ -253,6 +307,8 @@ class SACPartitioner(CustomPartitionerFn):
         num_fwd_outputs: int = kwargs["num_fwd_outputs"]
         budget = 1.0
         if self.config is not None:
+            if self.config.block:
+                block_tag_pass(gm, num_fwd_outputs=num_fwd_outputs)
             sac_tag_pass(gm, num_fwd_outputs=num_fwd_outputs, config=self.config)
             budget = self.config.memory_budget
         # a budget partition may be given up: it partitions a copy of the joint graph, since the
@@ -260,7 +316,8 @@ class SACPartitioner(CustomPartitionerFn):
         # recomputes, adding inputs), and those edits would carry into the fallback's partition
         trial = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if budget < 1 else gm
         fw, bw = self._partition(trial, joint_inputs, budget, kwargs)
-        violation = self._violation(trial, fw, bw, num_fwd_outputs) if self.checked else None
+        block = self.config is not None and self.config.block  # recomputes attention and collectives by design
+        violation = self._violation(trial, fw, bw, num_fwd_outputs, tuples_only=block) if self.checked else None
         if violation and budget < 1:
             # torch's budget solver mishandles MUST_SAVE on multi-output ops (attention): it may
             # save the op's tuple, or neither the op nor its outputs. Keep the invariants and
@@ -271,7 +328,7 @@ class SACPartitioner(CustomPartitionerFn):
                 budget, violation,
             )
             fw, bw = self._partition(gm, joint_inputs, 1.0, kwargs)
-            violation = self._violation(gm, fw, bw, num_fwd_outputs)
+            violation = self._violation(gm, fw, bw, num_fwd_outputs, tuples_only=block)
         if violation:
             raise AutoSPError(
                 f"internal: the partitioner {violation}. Report this; `AutoSPStrategy(sac=False)` is a workaround."
@@ -301,13 +358,18 @@ class SACPartitioner(CustomPartitionerFn):
             return self.partition_fn(gm, joint_inputs, **kwargs)
 
     @staticmethod
-    def _violation(joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> Optional[str]:
-        """Why the partition is unusable - it saves a multi-output op's tuple, or a forward
-        collective, attention op or fused vocabulary loss would run again in backward - or ``None``."""
+    def _violation(
+        joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, tuples_only: bool = False
+    ) -> Optional[str]:
+        """Why the partition is unusable - it saves a multi-output op's tuple, or (unless
+        ``tuples_only``) a forward collective, attention op or fused vocabulary loss would run again
+        in backward - or ``None``."""
         saved = torch.utils._pytree.tree_leaves(fw.graph.find_nodes(op="output")[0].args[0])[num_fwd_outputs:]
         tuples = [n.name for n in saved if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), (tuple, list))]
         if tuples:
             return f"would save multi-output op(s) {tuples} whole instead of their outputs"
+        if tuples_only:
+            return None
         fwd = forward_nodes(joint, num_fwd_outputs)
         joint_bw = sum(1 for n in joint.graph.nodes if n not in fwd and is_collective(n))
         regathered = {n.name for n in joint.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE}
