@@ -57,13 +57,13 @@ def test_plan_of_the_cpu_demo_config(capsys):
     assert req["model"]["dim"] == 64 and req["model"]["vocab_size"] > 0
     assert len(res["combinations"]) == 2 * len(COMBINATIONS)
     for setting in ("ddp", "autosp_fsdp"):
-        sp, sac = _row(res, "sp", setting), _row(res, "sp_sac", setting)
-        assert sac["longest"] >= sp["longest"] > 1024 and sp["fits"]
-        assert sac["at_seq_len"]["saved"] < sp["at_seq_len"]["saved"]
+        sac, block = _row(res, "sp_sac", setting), _row(res, "sp_block", setting)
+        assert block["longest"] >= sac["longest"] > 1024 and sac["fits"]
+        assert block["at_seq_len"]["saved"] < sac["at_seq_len"]["saved"]
         off = _row(res, "sp_sac_offload", setting)
         assert off["at_seq_len"]["saved"] == 0 < off["at_seq_len"]["host"]
-    assert _row(res, "sp", "autosp_fsdp")["static"]["total"] < _row(res, "sp", "ddp")["static"]["total"]
-    assert res["recommended"]["arguments"].startswith("AutoSPStrategy(sp_size=2, fsdp=False")
+    assert _row(res, "sp_sac", "autosp_fsdp")["static"]["total"] < _row(res, "sp_sac", "ddp")["static"]["total"]
+    assert res["recommended"]["arguments"].startswith("AutoSPStrategy(sp_size=2, fsdp=False, sac=True")
     render(res)  # what the command prints without --json
     out = capsys.readouterr().out
     assert "Recommended: AutoSPStrategy(sp_size=2" in out and "M parameters, 1,024 tokens" in out

@@ -39,9 +39,8 @@ __all__ = ["PlanRequest", "COMBINATIONS", "static_bytes", "longest", "limit_of",
 log = logging.getLogger(__name__)
 GiB = 2**30
 
-#: memory-model variant -> the strategy arguments it stands for, cheapest to most memory-saving
-COMBINATIONS = {
-    "sp": dict(sac=False),
+#: memory-model variant -> the strategy arguments it stands for, the default first, then by the memory they save
+COMBINATIONS = {  # from the default (SAC) on: each adds memory savings for more time or host memory
     "sp_sac": dict(sac=True, tiled_mlp=False),
     "sp_sac_tiled": dict(sac=True, tiled_mlp=True),
     "sp_sac_offload": dict(sac=True, tiled_mlp=False, activation_offload="auto"),
