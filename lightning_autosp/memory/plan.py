@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
@@ -307,7 +308,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
     res = plan(request_from(args))
     if args.json:
-        print(json.dumps(res, indent=1, default=str))  # the command's own output, not a log
+        sys.stdout.write(json.dumps(res, indent=1, default=str) + "\n")  # the command's output, not a log
     else:
         render(res)
     return res
