@@ -1,4 +1,4 @@
-"""Token-wise work over tiles of rows: the MLP's wide intermediates never exist whole.
+"""Token-wise work over tiles of rows: an MLP's wide intermediates, a norm's fp32 copies never exist whole.
 
 An MLP turns each token's ``[hidden]`` vector into ``[4 x hidden]`` (or more) intermediates and
 back, and autograd keeps those intermediates, and their gradients, for the whole sequence. Every
@@ -23,6 +23,7 @@ every ``autosp::`` op as a collective.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -31,7 +32,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-__all__ = ["register_region", "tiled_rows", "tiled_rows_backward", "auto_tile_rows", "workspace_bytes", "TILE_BYTES"]
+__all__ = ["register_region", "tiled_rows", "tiled_rows_backward", "auto_tile_rows", "workspace_bytes", "region_kind", "TILE_BYTES"]
 
 #: the widest intermediate of one tile, in bytes, when the tile is sized automatically
 TILE_BYTES = 64 * 2**20
@@ -103,6 +104,20 @@ def register_region(
     return key
 
 
+_MATMULS = {"mm", "addmm", "bmm", "matmul", "linear"}
+_ROW_REDUCTIONS = {"mean", "sum", "amax", "amin"}
+
+
+@functools.lru_cache(maxsize=1024)
+def region_kind(key: str) -> str:
+    """The memory report's kind of a region's output (and SAC's, which recomputes the ``linear``
+    and ``norm`` kinds by default): ``"linear"`` when it holds a matmul (an MLP), ``"norm"`` when
+    it reduces its rows without one (a norm), else ``"other"``."""
+    names = {n.target._overloadpacket.__name__ for n in _region(key).forward.graph.nodes if isinstance(n.target, torch._ops.OpOverload)}
+    return "linear" if names & _MATMULS else "norm" if names & _ROW_REDUCTIONS else "other"
+
+
+@functools.lru_cache(maxsize=4096)  # a region's key names its code: the answer never changes
 def workspace_bytes(key: str, tile: int, backward: bool = False) -> int:
     """Bytes the op (``backward``: its backward) allocates while it runs beyond its inputs and
     outputs: for one tile of ``tile`` rows, the peak of a liveness walk over the region's traced

@@ -61,22 +61,84 @@ def _graph(model, *args):
     return graphs[0]
 
 
-def test_regions_are_the_mlps_and_only_them():
-    """Two MLPs in a two-layer Llama and a GPT; never the LM head (whose logits widen and stay
-    wide: the fused loss's), the attention projections or the norms. Automatic tiles are sized
-    from the MLP width and tile only where a rank holds two of them."""
+def _calls(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.autosp_tile.rows.default]
+
+
+def test_regions_are_the_mlps_with_their_norms():
+    """A two-layer Llama: each block's MLP with the norm before it and the residual add after it
+    (one region per block, its output the block's); a GPT: its two MLPs (its layer norms are not
+    elementwise). Never the LM head (whose logits widen and stay wide: the fused loss's) or the
+    attention projections, and never across blocks. In fp32 a norm alone is not tiled: its widest
+    value is as wide as its rows. Automatic tiles hold ~64 MiB and tile only where a rank holds two."""
     ids = torch.randint(0, 64, (2, 40))
-    for kind in ("llama", "gpt"):
+    for kind, ops, attention_linears in (("llama", 14, 4), ("gpt", 3, 2)):
         gm = _graph(make_model(kind), ids, ids)
         regions = tile_token_regions(gm, tile=8)
-        assert len(regions) == 2 and all(r.tile == 8 for r in regions), regions
+        assert [r.ops for r in regions] == [ops, ops] and all(r.tile == 8 for r in regions), regions
         assert all(r.width == 4 * 32 or r.width > 32 for r in regions)
-        calls = [n for n in gm.graph.nodes if n.target is torch.ops.autosp_tile.rows.default]
-        assert len(calls) == 2
+        assert len(_calls(gm)) == 2
         linears = [n for n in gm.graph.nodes if n.target is F.linear]
-        assert linears, "the attention projections and the LM head stay as they were"
+        assert len(linears) == attention_linears * 2 + 1, "the attention projections and the LM head stay as they were"
+        if kind == "llama":  # the second block's region ends at the block's output: the final norm is outside it
+            assert [u.target for u in _calls(gm)[1].users] == ["float"], _calls(gm)[1].users
         # automatic tiles hold ~64 MiB: 40 tokens are far from two tiles
         assert tile_token_regions(_graph(make_model(kind), ids, ids), tile=0, min_tiles=2) == []
+
+
+def test_bf16_norms_are_tiled_too():
+    """In bf16 an RMSNorm's fp32 intermediates are twice as wide as its rows: the norm before each
+    attention and the final norm become regions of their own (3 + 2 regions in a two-layer Llama),
+    and the attention projections and LM head read the tiled norm's rows. Loss and gradients
+    against one device without tiles, in bf16 (a few eps: the tiles' matmuls run on other row
+    counts); the control recomputes each tile on rows shifted by one."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from lightning_autosp import tiled_rows
+
+    ids = torch.randint(0, 64, (2, 23))
+
+    def run(model, broken=False):
+        found = []
+
+        def backend(gm, inputs):
+            found.extend(tile_token_regions(gm, tile=5))
+            if broken:
+                for key in {n.args[2] for n in _calls(gm)}:
+                    tiled_rows._REGIONS[key] = _shifted(tiled_rows._REGIONS[key])
+            return lookup_backend("aot_eager")(gm, inputs)
+
+        torch._dynamo.reset()
+        torch._dynamo.mark_dynamic(ids, 1)
+        step = lambda i: lm_loss(model(i), i, False)  # noqa: E731
+        loss = torch.compile(step, backend=backend)(ids)
+        loss.backward()
+        grads = [p.grad.float() for p in model.parameters()]
+        return loss.float(), grads, found
+
+    def error(a, b):
+        loss = (a[0] - b[0]).abs() / b[0].abs()
+        grad = max(((x - y).norm() / y.norm()).item() for x, y in zip(a[1], b[1]))
+        return loss.item(), grad
+
+    bf16 = lambda: make_model("llama").to(torch.bfloat16)  # noqa: E731
+    reference = bf16()
+    loss = lm_loss(reference(ids), ids, False)
+    loss.backward()
+    ref = (loss.float(), [p.grad.float() for p in reference.parameters()])
+    tiled = run(bf16())
+    assert sorted(r.ops for r in tiled[2]) == [8, 8, 8, 14, 14], tiled[2]
+    loss_err, grad_err = error(tiled, ref)
+    original = dict(tiled_rows._REGIONS)
+    try:
+        broken = run(bf16(), broken=True)
+    finally:
+        tiled_rows._REGIONS.clear()
+        tiled_rows._REGIONS.update(original)
+    control = error(broken, ref)
+    print(f"bf16 tiled norms and MLPs: loss {loss_err:.2e} grad {grad_err:.2e} (shifted recompute: grad {control[1]:.2e})")
+    assert loss_err <= 2e-2 and grad_err <= 2e-2, (loss_err, grad_err)
+    assert control[1] > 0.2, control
 
 
 def _zoo_of(names):

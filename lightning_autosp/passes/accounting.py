@@ -27,6 +27,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
+from lightning_autosp import tiled_rows
+
 __all__ = [
     "OP_KINDS",
     "COLLECTIVE_NAMESPACES",
@@ -167,6 +169,8 @@ def node_kind(node: fx.Node) -> str:
         node = producer(node.args[0])
     if node.op != "call_function":
         return "other"
+    if node.target is tiled_rows.tiled_rows._opoverload:  # a tiled region: the kind of what it holds
+        return tiled_rows.region_kind(node.args[2])
     # inductor decomposes before partitioning; ``original_aten`` keeps the op it came from
     name = qualified_op_name(node.meta.get("original_aten")) or qualified_op_name(node.target)
     return op_kind(name, _innermost_module_type(node)) if name else "other"

@@ -67,7 +67,7 @@ from lightning_autosp.passes.joint_graph import (
     repeat_of_exchange,
 )
 
-__all__ = ["SACConfig", "RECOMPUTABLE_KINDS", "sac_tag_pass", "block_tag_pass", "SACPartitioner"]
+__all__ = ["SACConfig", "RECOMPUTABLE_KINDS", "sac_tag_pass", "block_tag_pass", "block_of", "SACPartitioner"]
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
 _BLOCK = re.compile(r"^(.*)\.(\d+)$")
 
 
-def _block_of(node: fx.Node) -> Optional[str]:
+def block_of(node: fx.Node) -> Optional[str]:
     """The outermost module of ``node`` that is an element of a ``ModuleList`` (``...layers.3``)."""
     for value in (node.meta.get("nn_module_stack") or {}).values():
         path = value[0] if isinstance(value, tuple) else str(value)
@@ -210,7 +210,7 @@ def block_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int) -> fx.GraphMo
     # in a block when the ops around them, in program order, are in that same block - so every SP
     # rank, whatever its token count, tags the same collectives
     order = [n for n in joint.graph.nodes if n in fwd and n.op == "call_function"]
-    own = {n: _block_of(n) for n in order if n.meta.get("nn_module_stack")}
+    own = {n: block_of(n) for n in order if n.meta.get("nn_module_stack")}
     before: list[Optional[str]] = []
     last: Optional[str] = None
     for n in order:
