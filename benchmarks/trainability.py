@@ -123,10 +123,7 @@ def run(args: argparse.Namespace) -> dict:
         cfg = LlamaConfig(**preset["config"], max_seq_len=1 << 24)
         params = mm.param_counts(cfg, preset["tied"])
         t = time.perf_counter()
-        models: dict = {}
-        for v in mm.VARIANTS:  # an offload variant reads its base variant's traces
-            base = v.removesuffix("_offload")
-            models[v] = mm.offloaded(models[base]) if base != v and base in models else mm.layer_model(cfg, v, args.sp_size)
+        models = mm.layer_models(cfg, mm.VARIANTS, args.sp_size)  # offload variants read their base's traces
         masked = {key: models["sp_sac"] if key == ("causal", True) else mm.layer_model(cfg, "sp_sac", args.sp_size, mask=key[0], tiled=key[1])
                   for key in MASK_ROWS}
         # linear extrapolation in depth, checked against a real 4-layer trace

@@ -74,7 +74,10 @@ def test_every_prediction_variant_traces():
     for v in ("no_sp_ac", "ulysses_eager", "sp_sac_logits", "sp_block_tiled"):
         assert mm.trace(CFG, v, sp_size=2, S=S).memory(S)["saved"] > 0
     long = 16384  # the traces are symbolic in the length: read them at another one too
-    causal = mm.trace(CFG, "sp_sac", sp_size=2, S=S)
+    # one capture partitioned three ways: SAC, SAC read as offloaded, whole blocks
+    shared = mm.traces(CFG, ("sp_sac", "sp_sac_offload", "sp_block"), sp_size=2, S=S)
+    causal, offloaded, block = shared["sp_sac"], shared["sp_sac_offload"], shared["sp_block"]
+    assert causal.fw is offloaded.fw and block.fw is not causal.fw
     for mask in ("documents", "window"):
         tiled = mm.trace(CFG, "sp_sac", sp_size=2, S=S, mask=mask)
         dense = mm.trace(CFG, "sp_sac", sp_size=2, S=S, mask=mask, tiled=False)
@@ -87,9 +90,8 @@ def test_every_prediction_variant_traces():
         mm.trace(CFG, "sp_sac", mask="ring")
     # tiled MLPs save what SAC saves, with a lower peak where the MLP's intermediates dominate it;
     # offload leaves nothing saved on the device and counts it in host memory
-    tiled = mm.trace(CFG, "sp_sac_tiled", sp_size=2, S=S, mlp_tile=256)  # automatic tiles: one per rank at 16k here
-    offloaded = mm.trace(CFG, "sp_sac_offload", sp_size=2, S=S)
-    both = mm.trace(CFG, "sp_sac_tiled_offload", sp_size=2, S=S, mlp_tile=256)
+    pair = mm.traces(CFG, ("sp_sac_tiled", "sp_sac_tiled_offload"), sp_size=2, S=S, mlp_tile=256)  # automatic tiles: one per rank at 16k here
+    tiled, both = pair["sp_sac_tiled"], pair["sp_sac_tiled_offload"]
     for n in (S, long):
         sac, t, o, b = causal.memory(n), tiled.memory(n), offloaded.memory(n), both.memory(n)
         assert t["saved"] <= 1.01 * sac["saved"], (t, sac)
@@ -97,8 +99,9 @@ def test_every_prediction_variant_traces():
         assert b["host"] > 0
     assert t["peak"] < sac["peak"] and b["peak"] < o["peak"], (t, sac)  # at 16k tokens the tiles pay
     # whole blocks recomputed: only what each block hands on is saved, far less than SAC keeps
-    block = mm.trace(CFG, "sp_block", sp_size=2, S=S)
     assert block.memory(long)["saved"] < 0.6 * causal.memory(long)["saved"]
+    alone = mm.trace(CFG, "sp_block", sp_size=2, S=S)  # a shared capture partitions as its own does
+    assert all(alone.memory(n) == block.memory(n) for n in (S, long))
     # the offload variants read the base trace as offloaded; through AutoSP's offload pass instead
     real = mm.trace(CFG, "sp_sac_offload", sp_size=2, S=S, offload_pass=True)
     for n in (S, long):

@@ -60,6 +60,7 @@ tile (the default); the walk adds the tiled kernel's working memory at its ops.
 
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
@@ -82,7 +83,8 @@ from lightning_autosp.passes.sac import SACConfig, SACPartitioner
 from lightning_autosp.passes.tiled_mlp import tile_token_regions
 
 __all__ = [
-    "PRESETS", "VARIANTS", "MASKS", "Trace", "trace", "Walk", "walk", "LayerModel", "layer_model", "offloaded", "param_counts",
+    "PRESETS", "VARIANTS", "MASKS", "Trace", "trace", "traces", "Walk", "walk", "LayerModel", "layer_model", "layer_models",
+    "param_counts",
 ]
 
 #: Published shapes (Hugging Face ``config.json``). Llama-3.2-1B ties its input embedding and
@@ -342,22 +344,37 @@ def walk(
     return Walk(peak=peak, saved=saved, outputs={o.name: storage.get(o) for o in outs}, size=size, host=host, moved=moved)
 
 
-def _backend(
-    variant: str, sp_size: int, out: list, native_gqa: Optional[bool] = False, tiled: bool = True, mlp_tile: int = 0,
-    offload_pass: bool = False,
-) -> Callable:
-    """A backend that partitions like AutoSP (``*_eager`` variants: as eager autograd saves),
-    appends ``(fw, bw, num_fwd_outputs)`` to ``out`` and stops the compile."""
-    partitioner = SACPartitioner(
+def _partitioner(variant: str, offload_pass: bool) -> SACPartitioner:
+    """How ``variant`` partitions (``*_eager`` variants: as eager autograd saves)."""
+    return SACPartitioner(
         SACConfig(block=variant.startswith("sp_block")) if variant.startswith(("sp_sac", "sp_block")) else None,
         partition_fn=default_partition if variant.endswith("_eager") else min_cut_rematerialization_partition,
         checked=variant != "no_sp_ac",  # full activation checkpointing recomputes attention by design
         offload=OffloadConfig(True) if offload_pass else None,
     )
 
+
+def _capture(variant: str) -> str:
+    """Variants with the same capture differ only in the partition: SAC or whole blocks."""
+    return variant.replace("sp_block", "sp_sac")
+
+
+def _backend(
+    variants: tuple[str, ...], sp_size: int, out: list, native_gqa: Optional[bool] = False, tiled: bool = True, mlp_tile: int = 0,
+    offload_pass: bool = False,
+) -> Callable:
+    """A backend that rewrites the step like ``variants[0]`` (all of one :func:`_capture`),
+    partitions its joint graph once per variant, appends ``(fw, bw, num_fwd_outputs)`` to ``out``
+    for each and stops the compile."""
+    variant = variants[0]
+    partitioners = [_partitioner(v, offload_pass) for v in variants]
+
     def keep_graphs(gm: fx.GraphModule, joint_inputs: list, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        fw, bw = partitioner(gm, joint_inputs, **kwargs)
-        out.append((fw, bw, kwargs["num_fwd_outputs"]))
+        # each partition gets its own copy: tagging and the partitioner edit the joint graph
+        copies = [fx.GraphModule(gm, copy.deepcopy(gm.graph)) for _ in partitioners[1:]] + [gm]
+        for partitioner, joint in zip(partitioners, copies):
+            fw, bw = partitioner(joint, joint_inputs, **kwargs)
+            out.append((fw, bw, kwargs["num_fwd_outputs"]))
         return fw, bw
 
     def backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
@@ -391,23 +408,49 @@ def trace(
     The weights are real CPU tensors left uninitialised (``to_empty``), so that the CPU
     attention kernel (which, like flash attention, keeps only the output and the log-sum-exp)
     is the one traced; they are never read. ``S`` only seeds the trace: the length is dynamic.
-    ``mlp_tile``: rows per MLP tile of the ``*tiled*`` variants (0: sized automatically).
+    ``mlp_tile``: rows per tile of the ``*tiled*`` variants (0: sized automatically).
     The ``*_offload`` variants are their base variant's trace read with every saved tensor
     offloaded (:func:`walk`); ``offload_pass`` traces them through AutoSP's offload pass instead.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    if variant.endswith("_offload") and not offload_pass:
-        base = trace(cfg, variant.removesuffix("_offload"), sp_size, dtype, S, native_gqa, mask, tiled, mlp_tile)
-        return Trace(fw=base.fw, bw=base.bw, num_fwd_outputs=base.num_fwd_outputs, offload=True)
+    return traces(cfg, (variant,), sp_size, dtype, S, native_gqa, mask, tiled, mlp_tile, offload_pass)[variant]
+
+
+def traces(
+    cfg: LlamaConfig, variants: tuple[str, ...], sp_size: int = 8, dtype: torch.dtype = torch.bfloat16, S: int = 8192,
+    native_gqa: Optional[bool] = False, mask: str = "causal", tiled: bool = True, mlp_tile: int = 0,
+    offload_pass: bool = False,
+) -> dict[str, Trace]:
+    """:func:`trace` of each of ``variants``; variants that differ only in the partition (SAC or
+    whole blocks, offloaded or not) share one capture."""
+    for v in variants:
+        if v not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {v!r}")
     if mask not in MASKS:
         raise ValueError(f"mask must be one of {MASKS}, got {mask!r}")
+    base = {v: v.removesuffix("_offload") if v.endswith("_offload") and not offload_pass else v for v in variants}
+    groups: dict[str, list[str]] = {}
+    for b in dict.fromkeys(base.values()):
+        groups.setdefault(_capture(b), []).append(b)
+    found: dict[str, Trace] = {}
+    for group in groups.values():
+        graphs = _trace_step(cfg, tuple(group), sp_size, dtype, S, native_gqa, mask, tiled, mlp_tile, offload_pass)
+        found.update({b: Trace(fw=fw, bw=bw, num_fwd_outputs=n) for b, (fw, bw, n) in zip(group, graphs)})
+    return {
+        v: found[b] if b == v else Trace(fw=found[b].fw, bw=found[b].bw, num_fwd_outputs=found[b].num_fwd_outputs, offload=True)
+        for v, b in base.items()
+    }
+
+
+def _trace_step(
+    cfg: LlamaConfig, variants: tuple[str, ...], sp_size: int, dtype: torch.dtype, S: int, native_gqa: Optional[bool], mask: str,
+    tiled: bool, mlp_tile: int, offload_pass: bool,
+) -> list:
     if mask == "window":
         cfg = replace(cfg, sliding_window=WINDOW_TOKENS)
     with torch.device("meta"):
         model = Llama(cfg)
     model = keep_rope_fp32(model.to_empty(device="cpu").to(dtype))
-    if variant == "no_sp_ac":
+    if variants[0] == "no_sp_ac":
         model.layers = torch.nn.ModuleList(_Checkpointed(b) for b in model.layers)
 
     def step(ids, labels, docs):
@@ -422,13 +465,12 @@ def trace(
     graphs: list = []
     torch._dynamo.reset()
     try:
-        backend = _backend(variant, sp_size, graphs, native_gqa, tiled, mlp_tile, offload_pass)
+        backend = _backend(variants, sp_size, graphs, native_gqa, tiled, mlp_tile, offload_pass)
         torch.compile(step, backend=backend, fullgraph=True)(ids, labels, docs)
     except Exception as e:  # Dynamo wraps the backend's exception
-        if not graphs or not _caused_by(e, _Traced):
+        if len(graphs) < len(variants) or not _caused_by(e, _Traced):
             raise
-    fw, bw, n_out = graphs[-1]
-    return Trace(fw=fw, bw=bw, num_fwd_outputs=n_out)
+    return graphs[-len(variants):]
 
 
 def _caused_by(e: BaseException, cls: type) -> bool:
@@ -469,17 +511,19 @@ def layer_model(
     cfg: LlamaConfig, variant: str, sp_size: int = 8, dtype: torch.dtype = torch.bfloat16, mask: str = "causal", tiled: bool = True,
     mlp_tile: int = 0,
 ) -> LayerModel:
-    return LayerModel(
-        low=trace(replace(cfg, n_layers=BASE_LAYERS), variant, sp_size, dtype, mask=mask, tiled=tiled, mlp_tile=mlp_tile),
-        high=trace(replace(cfg, n_layers=BASE_LAYERS + 1), variant, sp_size, dtype, mask=mask, tiled=tiled, mlp_tile=mlp_tile),
-        n_layers=cfg.n_layers, base=BASE_LAYERS,
+    return layer_models(cfg, (variant,), sp_size, dtype, mask, tiled, mlp_tile)[variant]
+
+
+def layer_models(
+    cfg: LlamaConfig, variants: tuple[str, ...], sp_size: int = 8, dtype: torch.dtype = torch.bfloat16, mask: str = "causal",
+    tiled: bool = True, mlp_tile: int = 0,
+) -> dict[str, LayerModel]:
+    """:func:`layer_model` of each of ``variants``, sharing captures (:func:`traces`)."""
+    low, high = (
+        traces(replace(cfg, n_layers=n), tuple(variants), sp_size, dtype, mask=mask, tiled=tiled, mlp_tile=mlp_tile)
+        for n in (BASE_LAYERS, BASE_LAYERS + 1)
     )
-
-
-def offloaded(lm: LayerModel) -> LayerModel:
-    """``lm`` read with every saved tensor offloaded (the ``*_offload`` variant of its variant)."""
-    read = lambda t: Trace(fw=t.fw, bw=t.bw, num_fwd_outputs=t.num_fwd_outputs, offload=True)  # noqa: E731
-    return LayerModel(low=read(lm.low), high=read(lm.high), n_layers=lm.n_layers, base=lm.base)
+    return {v: LayerModel(low=low[v], high=high[v], n_layers=cfg.n_layers, base=BASE_LAYERS) for v in variants}
 
 
 def param_counts(cfg: LlamaConfig, tied: bool) -> dict[str, int]:

@@ -140,13 +140,7 @@ def plan(req: PlanRequest, dtype: torch.dtype = torch.bfloat16) -> dict:
     budget = req.gpu_memory * req.usable
     host_budget = req.host_memory * req.usable / req.gpus_per_node
     params = mm.param_counts(req.model, req.tied)
-    models: dict[str, Any] = {}
-    for v in req.variants:  # an offload variant reads its base variant's traces
-        base = v.removesuffix("_offload")
-        if base != v:
-            models[v] = mm.offloaded(models.get(base) or mm.layer_model(req.model, base, req.sp_size, dtype))
-        else:
-            models[v] = mm.layer_model(req.model, v, req.sp_size, dtype)
+    models = mm.layer_models(req.model, tuple(req.variants), req.sp_size, dtype)  # offload variants read their base's traces
     rows = []
     for setting in req.settings:
         static = static_bytes(params, setting, world)
