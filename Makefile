@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 # the compatibility subset: version gates, the pass, SAC, GPT and Llama numerics with SAC on and
 # off, the Hugging Face decoders, the CLI, the sharded mode and its checkpoints, LitGPT and the
-# Fabric strategy (README "Tested versions" lists where it passed)
+# Fabric strategy (docs/testing.md lists where it passed)
 LIGHTNING_SPEC ?=
 COMPAT_VENV ?= .venv-compat-$(shell echo '$(TORCH_SPEC)$(if $(LIGHTNING_SPEC),-$(LIGHTNING_SPEC))' | tr -c 'A-Za-z0-9.\n-' '_')
 COMPAT_TESTS := tests/test_compat.py tests/test_strategy.py tests/test_pass.py tests/test_sac.py \

@@ -1,8 +1,8 @@
 """Every torch and Lightning version gate of the package lives here.
 
 The supported ranges are the versions the compatibility subset (``make test-compat``, the
-tests marked ``compat``) passed on; ``pyproject.toml`` declares the same ranges (a test checks
-it) and the README lists the versions tried and when. Importing ``lightning_autosp`` with a
+tests the Makefile lists) passed on; ``pyproject.toml`` declares the same ranges (a test checks
+it) and docs/testing.md lists the versions tried and when. Importing ``lightning_autosp`` with a
 torch or Lightning outside them raises ``ImportError`` at once instead of failing later inside
 a compile or the CLI.
 """
@@ -66,7 +66,7 @@ def check_versions(torch_version: str, lightning_version: str) -> None:
         raise ImportError(
             "lightning-autosp: " + "; ".join(problems) + ". Install a supported version "
             f"(pip install '{TORCH_RANGE.requirement}' '{LIGHTNING_RANGE.requirement}'); "
-            "the README's 'Tested versions' lists what was run."
+            "docs/testing.md in the repository lists every version run."
         )
 
 
