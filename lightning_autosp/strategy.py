@@ -331,13 +331,15 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         ``filepath`` (:mod:`lightning_autosp.checkpoint`); no rank gathers the model. Otherwise
         Lightning's single file, with the optimizer's parameter names added so that a sharded run
         can resume from it."""
+        checkpoint = _loader_states_aside(checkpoint)
         if self._sharded_now():
             if storage_options is not None:
                 raise TypeError("AutoSPStrategy(fsdp=...) writes distributed checkpoints itself: storage_options is not supported.")
             ShardedMode.save(checkpoint, filepath, self.global_rank, self.barrier)
             return
         if self.is_global_zero and self.lightning_module is not None and "optimizer_states" in checkpoint:
-            checkpoint["autosp"] = {"optimizer_param_names": optimizer_param_names(self.lightning_module, self.optimizers)}
+            names = optimizer_param_names(self.lightning_module, self.optimizers)
+            checkpoint["autosp"] = {**checkpoint.get("autosp", {}), "optimizer_param_names": names}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -347,7 +349,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         (into a sharded module by :meth:`load_model_state_dict`)."""
         self._restored_by_strategy = False
         if not is_distributed_checkpoint(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, **load_checkpoint_kwargs(weights_only))
+            return _loader_states_back(super().load_checkpoint(checkpoint_path, **load_checkpoint_kwargs(weights_only)))
         module = self.lightning_module
         assert module is not None
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
@@ -355,7 +357,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         self._restored_by_strategy = True
         if optimizers:
             meta["optimizer_states"] = []  # restored above; Lightning checks the key is there
-        return meta
+        return _loader_states_back(meta)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -440,3 +442,36 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step("predict_step", super().predict_step, *args, **kwargs)
+
+
+#: where Lightning keeps the states of a fit's stateful training loaders in a checkpoint
+_FIT_LOOP_STATE = ("loops", "fit_loop", "state_dict")
+
+
+def _loader_states_aside(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint to write: the training loader's position (the state of AutoSP's resumable
+    sample order, which Lightning saves as its loop's ``combined_loader`` states) moved under
+    ``checkpoint["autosp"]``, so that another strategy, whose loaders have no such state, resumes
+    from the checkpoint too (Lightning refuses a loader state no loader takes). The caller's dict
+    is left as it was."""
+    holder = checkpoint
+    for key in _FIT_LOOP_STATE:
+        holder = holder.get(key) if isinstance(holder, dict) else None
+    states = holder.get("combined_loader") if isinstance(holder, dict) else None
+    if not states:
+        return checkpoint
+    loops = dict(checkpoint["loops"])
+    loops["fit_loop"] = {**loops["fit_loop"], "state_dict": {**holder, "combined_loader": []}}
+    return {**checkpoint, "loops": loops, "autosp": {**checkpoint.get("autosp", {}), "loader_states": states}}
+
+
+def _loader_states_back(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint read for AutoSP: the loader position :func:`_loader_states_aside` moved put
+    back where Lightning's loop restores it (in place)."""
+    states = (checkpoint.get("autosp") or {}).get("loader_states")
+    holder = checkpoint
+    for key in _FIT_LOOP_STATE:
+        holder = holder.get(key) if isinstance(holder, dict) else None
+    if states and isinstance(holder, dict) and not holder.get("combined_loader"):
+        holder["combined_loader"] = states
+    return checkpoint

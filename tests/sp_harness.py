@@ -291,6 +291,8 @@ class Recorder(L.Callback):
                 self.rec["bytes"] = sharded_parameter_bytes(pl_module, trainer.optimizers[0])
                 saved = st.compiled_steps["training_step"].saved_activations
                 self.rec["saved_names"] = [t.name for r in saved for t in r.tensors]
+        else:  # another strategy (plain DDP): its replica
+            self.rec["final"] = {k.removeprefix("model."): v.detach().clone() for k, v in pl_module.state_dict().items()}
         torch.save(self.rec, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
