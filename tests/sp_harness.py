@@ -291,8 +291,8 @@ class Recorder(L.Callback):
                 self.rec["bytes"] = sharded_parameter_bytes(pl_module, trainer.optimizers[0])
                 saved = st.compiled_steps["training_step"].saved_activations
                 self.rec["saved_names"] = [t.name for r in saved for t in r.tensors]
-        else:  # another strategy (plain DDP): its replica
-            self.rec["final"] = {k.removeprefix("model."): v.detach().clone() for k, v in pl_module.state_dict().items()}
+        else:  # another strategy (plain DDP, Lightning's ModelParallelStrategy): its parameters whole
+            self.rec["final"] = {k.removeprefix("model."): full_tensor(v).detach().clone() for k, v in pl_module.state_dict().items()}
         torch.save(self.rec, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
@@ -376,14 +376,17 @@ def run_fit(
     tiled_attention: Any = True,
     tiled_mlp: Any = True,
     activation_offload: Any = "auto",
+    strategy: Any = None,
 ) -> Run:
     """Fit on ``devices`` CPU processes (started by ``start_method``); ``sp_size=None`` means
     plain DDP (``ddp_unshared``: with :class:`Unshared`; ``distributed_sampler=False``: every
-    rank reads every batch)."""
+    rank reads every batch); ``strategy``: another Lightning strategy, run as given."""
     os.environ["MASTER_PORT"] = str(free_port())
     out = tmp_path / f"run_{devices}_{sp_size}_{id(module)}"
     out.mkdir()
-    if sp_size is None:
+    if strategy is not None:
+        pass
+    elif sp_size is None:
         strategy: Any = L.pytorch.strategies.DDPStrategy(start_method=start_method)
         callbacks = (*callbacks, Unshared()) if ddp_unshared else callbacks
     else:

@@ -1,6 +1,9 @@
 """Checkpoints under AutoSP: a run interrupted and resumed from a ``ModelCheckpoint`` equals the
 uninterrupted run, replicated (one file) and sharded (one file per rank); a sharded checkpoint
-resumes on other layouts with the same parameters and optimizer state."""
+resumes on other layouts with the same parameters and optimizer state; checkpoints go both ways
+between AutoSP and Lightning's own strategies (``DDPStrategy``, ``ModelParallelStrategy``)."""
+
+import multiprocessing
 
 import lightning as L
 import pytest
@@ -74,49 +77,105 @@ def _weights_only_losses(state: dict, batches: list) -> list[float]:
     return out
 
 
-@pytest.mark.slow
-def test_replicated_checkpoint_resumes_under_ddp_and_back(tmp_path):
-    """Checkpoints leave with the user. AutoSP (sp=2, replicated) trains 8 steps and saves at the
-    end of the first 4-step epoch; plain ``DDPStrategy`` on one device resumes from it. DDP trains
-    8 steps and saves the same way; AutoSP resumes from that. Each resumed run equals the
-    uninterrupted one (losses, batches and final parameters, <= 1e-4: SP against one device). The
-    checkpoint AutoSP writes keeps its sampler's position apart from Lightning's loader states,
-    which a strategy without that sampler would refuse. (Each checkpoint comes from a run that
-    was not itself resumed: Lightning 2.6 counts the epochs of a run resumed at an epoch's end one
-    short in the checkpoints it writes, whatever the strategy.) Negative control: the checkpoint's
-    weights with a fresh AdamW diverge."""
-    epoch = 4  # batches per epoch: TokenData(8) in batches of 2
-    data = TokenData(8, 32)
+EPOCH = 4  # batches per epoch: TokenData(8) in batches of 2
+
+
+def _interchange(tmp_path, fit_autosp, fit_other, other: str, weights_of) -> None:
+    """AutoSP trains 2 epochs and saves at the end of the first; ``fit_other`` (another strategy)
+    resumes from that checkpoint. It trains 2 epochs and saves the same way; AutoSP resumes from
+    that. Each resumed run must equal the uninterrupted one (losses, batches, final parameters:
+    <= 1e-4, SP against one device). Each checkpoint comes from a run that was not itself resumed:
+    Lightning 2.6 counts the epochs of a run resumed at an epoch's end one short in the
+    checkpoints it writes, whatever the strategy. Negative control: AutoSP's checkpoint's weights
+    (``weights_of(path)``) with a fresh AdamW diverge."""
 
     def save(run):
-        return L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / run, every_n_train_steps=epoch, save_top_k=-1)
-
-    def module():
-        return LMModule("llama", lr=LR, optimizer="adamw", layers=1, log_loss=False)
+        return L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / run, every_n_train_steps=EPOCH, save_top_k=-1)
 
     def first(run):
-        return tmp_path / run / f"epoch=0-step={epoch}.ckpt"
+        return tmp_path / run / f"epoch=0-step={EPOCH}.ckpt"
 
-    autosp = run_fit(tmp_path, module(), data, 2, 2, steps=2 * epoch, callbacks=[save("autosp")])
-    assert torch.load(first("autosp"), weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"] == []
-    ddp = run_fit(tmp_path, module(), data, 1, None, steps=2 * epoch, callbacks=[save("ddp")])
-    to_ddp = run_fit(tmp_path, module(), data, 1, None, steps=2 * epoch, ckpt_path=str(first("autosp")))
-    to_autosp = run_fit(tmp_path, module(), data, 2, 2, steps=2 * epoch, ckpt_path=str(first("ddp")))
-
+    autosp = fit_autosp(callbacks=[save("autosp")])
+    theirs = fit_other(callbacks=[save("other")])
+    to_other = fit_other(ckpt_path=str(first("autosp")))
+    to_autosp = fit_autosp(ckpt_path=str(first("other")))
     errs = {}
-    for name, resumed, full in (("AutoSP -> DDP", to_ddp, autosp), ("DDP -> AutoSP", to_autosp, ddp)):
+    for name, resumed, full in ((f"AutoSP -> {other}", to_other, autosp), (f"{other} -> AutoSP", to_autosp, theirs)):
         got, want = resumed.ranks[0], full.ranks[0]
-        assert len(got["losses"]) == epoch
-        for b_batch, a_batch in zip(got["batches"], want["batches"][epoch:]):
+        assert len(got["losses"]) == EPOCH
+        for b_batch, a_batch in zip(got["batches"], want["batches"][EPOCH:]):
             assert torch.equal(b_batch["input_ids"], a_batch["input_ids"])
-        losses = max(abs(g / w - 1) for g, w in zip(got["losses"], want["losses"][epoch:]))
+        losses = max(abs(g / w - 1) for g, w in zip(got["losses"], want["losses"][EPOCH:]))
         params = max(rel_err(got["final"][k], w) for k, w in want["final"].items())
         errs[name] = (losses, params)
-    fresh = _weights_only_losses(torch.load(first("autosp"), weights_only=False)["state_dict"], to_ddp.ranks[0]["batches"])
-    fresh_err = max(abs(f / w - 1) for f, w in zip(fresh[1:], autosp.ranks[0]["losses"][epoch + 1 :]))
+    fresh = _weights_only_losses(weights_of(first("autosp")), to_other.ranks[0]["batches"])
+    fresh_err = max(abs(f / w - 1) for f, w in zip(fresh[1:], autosp.ranks[0]["losses"][EPOCH + 1 :]))
     print(", ".join(f"{k}: losses {v[0]:.1e}, final parameters {v[1]:.1e}" for k, v in errs.items()), f"(weights only: {fresh_err:.1e})")
     assert all(max(v) <= 1e-4 for v in errs.values()), errs
     assert fresh_err > 1e-3
+
+
+@pytest.mark.slow
+def test_replicated_checkpoint_resumes_under_ddp_and_back(tmp_path):
+    """Checkpoints leave with the user: AutoSP (sp=2, replicated) and plain ``DDPStrategy`` (one
+    device) resume from each other's checkpoints exactly (:func:`_interchange`). AutoSP keeps its
+    sampler's position apart from Lightning's loader states, which a strategy without that
+    sampler would refuse."""
+
+    def fit(devices, sp_size):
+        module = lambda: LMModule("llama", lr=LR, optimizer="adamw", layers=1, log_loss=False)  # noqa: E731
+        return lambda **kw: run_fit(tmp_path, module(), TokenData(8, 32), devices, sp_size, steps=2 * EPOCH, **kw)
+
+    _interchange(tmp_path, fit(2, 2), fit(1, None), "DDP", lambda path: torch.load(path, weights_only=False)["state_dict"])
+    state = torch.load(tmp_path / "autosp" / f"epoch=0-step={EPOCH}.ckpt", weights_only=False)
+    assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [] and "loader_states" in state["autosp"]
+
+
+class FullyShardedOnItsOwn(LMModule):
+    """What a user of Lightning's ``ModelParallelStrategy`` writes: the module shards its model
+    itself (FSDP2's ``fully_shard``, per block and whole) when that strategy runs it; under
+    AutoSP it does nothing (``fsdp=True`` shards)."""
+
+    def configure_model(self):
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        super().configure_model()
+        if isinstance(self.trainer.strategy, ModelParallelStrategy):
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+
+def _fit_under_model_parallel(tmp_path, **kwargs):
+    """``run_fit`` under Lightning's ``ModelParallelStrategy`` on one device (in this process)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    torch.set_num_threads(1)
+    module = FullyShardedOnItsOwn("llama", lr=LR, optimizer="adamw", layers=1, log_loss=False)
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    return run_fit(tmp_path, module, TokenData(8, 32), 1, None, steps=2 * EPOCH, strategy=strategy, **kwargs)
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_under_model_parallel_strategy_and_back(tmp_path):
+    """AutoSP's sharded checkpoint (a torch distributed checkpoint, ``fsdp=True``, sp=2) and one
+    written by Lightning's own ``ModelParallelStrategy`` (FSDP2, one device, in a process of its
+    own: a process group in this one would outlive the test) resume under each other exactly
+    (:func:`_interchange`)."""
+
+    def autosp(**kw):
+        module = FullyShardedOnItsOwn("llama", lr=LR, optimizer="adamw", layers=1, log_loss=False)
+        return run_fit(tmp_path, module, TokenData(8, 32), 2, 2, steps=2 * EPOCH, fsdp=True, **kw)
+
+    def model_parallel(**kw):
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            return pool.apply(_fit_under_model_parallel, (tmp_path,), kw)
+
+    _interchange(tmp_path, autosp, model_parallel, "ModelParallelStrategy", read_model_state_dict)
+    assert (tmp_path / "other" / f"epoch=0-step={EPOCH}.ckpt").is_dir()  # both torch distributed checkpoints
 
 
 def _state_now(trainer, module) -> dict:
