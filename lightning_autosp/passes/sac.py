@@ -189,12 +189,14 @@ def sac_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int, config: SACConf
 
 
 _BLOCK = re.compile(r"^(.*)\.(\d+)$")
+_MODULES_ITEM = re.compile(r"\._modules\['([^']+)'\]")
 
 
 def block_of(node: fx.Node) -> Optional[str]:
-    """The outermost module of ``node`` that is an element of a ``ModuleList`` (``...layers.3``)."""
+    """The outermost module of ``node`` that is an element of a ``ModuleList`` (``...layers.3``;
+    torch 2.9's Dynamo spells it ``..._modules['layers']._modules['3']``)."""
     for value in (node.meta.get("nn_module_stack") or {}).values():
-        path = value[0] if isinstance(value, tuple) else str(value)
+        path = _MODULES_ITEM.sub(r".\1", value[0] if isinstance(value, tuple) else str(value))
         if _BLOCK.match(path):
             return path
     return None
