@@ -448,16 +448,21 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
 _FIT_LOOP_STATE = ("loops", "fit_loop", "state_dict")
 
 
+def _fit_loop_state(checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:
+    holder: Any = checkpoint
+    for key in _FIT_LOOP_STATE:
+        holder = holder.get(key) if isinstance(holder, dict) else None
+    return holder if isinstance(holder, dict) else None
+
+
 def _loader_states_aside(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint to write: the training loader's position (the state of AutoSP's resumable
     sample order, which Lightning saves as its loop's ``combined_loader`` states) moved under
     ``checkpoint["autosp"]``, so that another strategy, whose loaders have no such state, resumes
     from the checkpoint too (Lightning refuses a loader state no loader takes). The caller's dict
     is left as it was."""
-    holder = checkpoint
-    for key in _FIT_LOOP_STATE:
-        holder = holder.get(key) if isinstance(holder, dict) else None
-    states = holder.get("combined_loader") if isinstance(holder, dict) else None
+    holder = _fit_loop_state(checkpoint)
+    states = holder.get("combined_loader") if holder is not None else None
     if not states:
         return checkpoint
     loops = dict(checkpoint["loops"])
@@ -469,9 +474,7 @@ def _loader_states_back(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint read for AutoSP: the loader position :func:`_loader_states_aside` moved put
     back where Lightning's loop restores it (in place)."""
     states = (checkpoint.get("autosp") or {}).get("loader_states")
-    holder = checkpoint
-    for key in _FIT_LOOP_STATE:
-        holder = holder.get(key) if isinstance(holder, dict) else None
-    if states and isinstance(holder, dict) and not holder.get("combined_loader"):
+    holder = _fit_loop_state(checkpoint)
+    if states and holder is not None and not holder.get("combined_loader"):
         holder["combined_loader"] = states
     return checkpoint

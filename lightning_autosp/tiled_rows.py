@@ -105,7 +105,8 @@ def register_region(
 
 
 _MATMULS = {"mm", "addmm", "bmm", "matmul", "linear"}
-_ROW_REDUCTIONS = {"mean", "sum", "amax", "amin"}
+#: reductions over the last dim a region may hold (an RMSNorm's mean of squares)
+ROW_REDUCTIONS = frozenset({"mean", "sum", "amax", "amin"})
 
 
 @functools.lru_cache(maxsize=1024)
@@ -114,7 +115,7 @@ def region_kind(key: str) -> str:
     and ``norm`` kinds by default): ``"linear"`` when it holds a matmul (an MLP), ``"norm"`` when
     it reduces its rows without one (a norm), else ``"other"``."""
     names = {n.target._overloadpacket.__name__ for n in _region(key).forward.graph.nodes if isinstance(n.target, torch._ops.OpOverload)}
-    return "linear" if names & _MATMULS else "norm" if names & _ROW_REDUCTIONS else "other"
+    return "linear" if names & _MATMULS else "norm" if names & ROW_REDUCTIONS else "other"
 
 
 @functools.lru_cache(maxsize=4096)  # a region's key names its code: the answer never changes

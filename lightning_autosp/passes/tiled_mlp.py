@@ -35,7 +35,7 @@ import torch.fx as fx
 from lightning_autosp.passes.sac import block_of
 from lightning_autosp.passes.sp_rules.registry import lookup
 from lightning_autosp.passes.sp_rules.shape import ELEMENTWISE_OPS
-from lightning_autosp.tiled_rows import auto_tile_rows, register_region
+from lightning_autosp.tiled_rows import ROW_REDUCTIONS as _ROW_REDUCTIONS, auto_tile_rows, register_region
 
 __all__ = ["TiledRegion", "tile_token_regions"]
 
@@ -47,8 +47,6 @@ _ELEMENTWISE = {o.name for o in ELEMENTWISE_OPS} - {
     "copy", "iadd", "isub", "imul", "itruediv", "zeros_like", "ones_like", "empty_like", "full_like", "where", "masked_fill",
 }
 _SPLITS = {"chunk", "split"}
-#: reductions over the last dim a region may hold (an RMSNorm's mean of squares)
-_ROW_REDUCTIONS = {"mean", "sum", "amax", "amin"}
 
 
 @dataclass
