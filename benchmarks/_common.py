@@ -72,7 +72,7 @@ def check_steps_and_seq_lens(p: argparse.ArgumentParser, args: argparse.Namespac
 def llama_config(args: Any, **extra: Any) -> Any:
     """The ``LlamaConfig`` of the shape flags in ``args`` (a namespace or a results file's
     ``args`` dict), with ``extra`` fields (``max_seq_len``)."""
-    from lightning_autosp.examples.models import LlamaConfig
+    from autosp.models import LlamaConfig
 
     values = args if isinstance(args, dict) else vars(args)
     return LlamaConfig(**{k: values[k] for k in MODEL_FLAGS}, **extra)
@@ -192,13 +192,13 @@ class SavedBytes:
     storage once, leaving out ``exclude`` (parameters and inputs)."""
 
     def __init__(self, exclude: list[torch.Tensor]) -> None:
-        from lightning_autosp.fsdp import local_tensor  # (a sharded parameter's storage is its shard's)
+        from autosp.sharded.fsdp import local_tensor  # (a sharded parameter's storage is its shard's)
 
         self.exclude = {local_tensor(t).untyped_storage().data_ptr() for t in exclude}
         self.kept: dict[int, int] = {}
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        from lightning_autosp.fsdp import local_tensor
+        from autosp.sharded.fsdp import local_tensor
 
         storage = local_tensor(t).untyped_storage()
         if storage.data_ptr() not in self.exclude:

@@ -1,4 +1,4 @@
-"""The cost of the per-step SP batch check (``lightning_autosp.batch_agreement``) next to the
+"""The cost of the per-step SP batch check (``autosp.batch_agreement``) next to the
 training step it guards, side by side in one run (CPU, gloo, ``--nprocs`` processes, one SP
 group).
 
@@ -25,10 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _common import arguments, finish, init_worker, launch, llama_config, median_seconds, parser
 
-from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.batch_agreement import batch_fingerprint, check_sp_batch_agreement
-from lightning_autosp.examples.models import Llama
-from lightning_autosp.passes.sac import SACConfig
+from autosp.backend import AutoSPBackend
+from autosp.batch_agreement import batch_fingerprint, check_sp_batch_agreement
+from autosp.models import Llama
+from autosp.passes.sac import SACConfig
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

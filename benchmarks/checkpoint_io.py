@@ -8,8 +8,8 @@ The model is a scaled-down stand-in for Llama-3.2-1B: its width (dim 1024 here a
 and vocabulary are kept smaller so that ``--nprocs`` replicas and their AdamW state fit this
 machine; the per-parameter costs scale with the parameter count. What each mode runs is what
 ``AutoSPStrategy`` runs: ``torch.save`` of Lightning's checkpoint dict on rank 0 and
-``load_state_dict`` on every rank, or ``lightning_autosp.checkpoint.save_distributed`` and
-``load_distributed`` (DCP, with the DTensor parameters of ``lightning_autosp.fsdp.shard_module``). Times are the median of ``--reps`` rounds,
+``load_state_dict`` on every rank, or ``autosp.checkpoint.save_distributed`` and
+``load_distributed`` (DCP, with the DTensor parameters of ``autosp.sharded.fsdp.shard_module``). Times are the median of ``--reps`` rounds,
 each from a barrier to a barrier (the slowest rank); the page cache is warm after the first
 round, as on a node that reads back what it wrote.
 
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from _common import arguments, finish, init_worker, launch, llama_config, median_seconds, parser
 
-from lightning_autosp.checkpoint import META_FILE, load_distributed, save_distributed
-from lightning_autosp.examples.models import Llama
-from lightning_autosp.fsdp import ShardingPolicy, shard_module
+from autosp.checkpoint import META_FILE, load_distributed, save_distributed
+from autosp.models import Llama
+from autosp.sharded.fsdp import ShardingPolicy, shard_module
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -26,7 +26,7 @@ compile's partition (the same min-cut partition, timed), AOT autograd's tracing 
 (metadata collection and the joint graph, from Dynamo's ``compilation_time_metrics``), and the
 full (generation 2) garbage collections that ran during each first step (``gc.callbacks``): each
 walks the whole process heap, and AutoSP's backend defers them while it compiles
-(``lightning_autosp._gc``), a plain ``torch.compile`` does not.
+(``autosp._gc``), a plain ``torch.compile`` does not.
 
 Example (the figures in BENCHMARKS.md)::
 
@@ -51,9 +51,9 @@ from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from _common import arguments, finish, llama_config, machine, parser, run_distributed
 
-from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.examples.models import Llama
-from lightning_autosp.passes.sac import SACConfig
+from autosp.backend import AutoSPBackend
+from autosp.models import Llama
+from autosp.passes.sac import SACConfig
 
 VARIANTS = ("plain", "autosp")
 _PARTITION_METRIC = "min_cut_rematerialization_partition"  # inductor's timer of its partition

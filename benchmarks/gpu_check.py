@@ -1,6 +1,6 @@
 """One-GPU check of the trainability model: real allocator peaks against its predictions.
 
-On one device, each variant of ``lightning_autosp/memory/model.py`` trains a Llama with real shapes
+On one device, each variant of ``autosp/memory/model.py`` trains a Llama with real shapes
 (default: Llama-3.2-1B with 4 layers, bf16) and the script measures, per sequence length:
 
 * the bytes autograd keeps for backward (``saved_tensors_hooks``) and the activation peak of
@@ -45,7 +45,7 @@ EXTRA_VARIANTS = ("sp_sac_tiled", "sp_sac_offload", "sp_block_offload")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    from lightning_autosp.memory import model as mm
+    from autosp.memory import model as mm
 
     p = parser(__doc__)
     p.add_argument("--device", default="cuda")
@@ -95,12 +95,12 @@ class Device:
 
 
 def build(variant: str, cfg, args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Callable]:
-    from lightning_autosp.backend import AutoSPBackend
-    from lightning_autosp.examples.models import Llama
-    from lightning_autosp.passes.offload import OffloadConfig
-    from lightning_autosp.passes.sac import SACConfig
+    from autosp.backend import AutoSPBackend
+    from autosp.models import Llama
+    from autosp.passes.offload import OffloadConfig
+    from autosp.passes.sac import SACConfig
 
-    from lightning_autosp.memory import model as mm
+    from autosp.memory import model as mm
 
     torch.manual_seed(0)
     model = mm.keep_rope_fp32(Llama(cfg).to(device=device, dtype=torch.bfloat16))
@@ -152,10 +152,10 @@ def measure(model, fn, dev: Device, S: int, reps: int, full: bool = True) -> dic
 def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda res: None) -> dict:
     """Every variant in turn; ``save`` gets the results so far after each one. Variants not
     started within ``--max-minutes`` are skipped (listed in ``skipped``)."""
-    from lightning_autosp.memory import model as mm
+    from autosp.memory import model as mm
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_autosp.examples.models import LlamaConfig
+    from autosp.models import LlamaConfig
 
     device = torch.device(args.device)
     preset = mm.PRESETS[args.preset]["config"]

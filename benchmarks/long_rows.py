@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from _common import MiB, PeakRSS, arguments, finish, machine, parser, ratio, run_distributed
 
-from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.passes.offload import OffloadConfig
-from lightning_autosp.passes.sac import SACConfig
+from autosp.backend import AutoSPBackend
+from autosp.passes.offload import OffloadConfig
+from autosp.passes.sac import SACConfig
 
 CASES = ("base", "tiled", "offload", "tiled+offload")
 

@@ -34,9 +34,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _common import MiB, PeakRSS, SavedBytes, arguments, finish, machine, parser, ratio, run_distributed
 
-from lightning_autosp import tiled_attention as kernel
-from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.passes.sac import SACConfig
+from autosp.ops import tiled_attention as kernel
+from autosp.backend import AutoSPBackend
+from autosp.passes.sac import SACConfig
 
 CASES = ("plain", "documents dense", "documents tiled", "window dense", "window tiled")
 PLAIN = "benchmark_plain_causal"

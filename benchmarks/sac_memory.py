@@ -3,7 +3,7 @@ checkpointing (SAC), on the bundled Llama, sp=2 on CPU/gloo (two forked processe
 
 For every sequence length it reports, per SP rank:
 
-* bytes saved for backward per op kind (``lightning_autosp.memory.OP_KINDS``), read from the
+* bytes saved for backward per op kind (``autosp.passes.accounting.OP_KINDS``), read from the
   compiled training graph and cross-checked against what autograd really keeps
   (``saved_tensors_hooks`` during one forward);
 * the same bytes grouped by block: the attention block (everything inside the model's
@@ -33,10 +33,10 @@ from _common import (
     MiB, SavedBytes, arguments, check_steps_and_seq_lens, finish, llama_config, parser, ratio, run_distributed,
 )
 
-from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.passes.accounting import OP_KINDS, SavedTensor
-from lightning_autosp.examples.models import Llama
-from lightning_autosp.passes.sac import SACConfig
+from autosp.backend import AutoSPBackend
+from autosp.passes.accounting import OP_KINDS, SavedTensor
+from autosp.models import Llama
+from autosp.passes.sac import SACConfig
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -180,7 +180,7 @@ def report(res: dict) -> str:
 
 
 def plot(res: dict, path: str) -> None:
-    from lightning_autosp.memory.monitor import plot_saved_bytes
+    from lightning_autosp.monitor import plot_saved_bytes
 
     S = max(res["lengths"])
     r = res["lengths"][S]

@@ -39,11 +39,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _common import MiB, PeakRSS, arguments, finish, llama_config, parser, run_distributed
 
-from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.examples.models import Llama, LlamaConfig
-from lightning_autosp.fsdp import ShardingPolicy, local_tensor, shard_module
-from lightning_autosp.passes.sac import SACConfig
-from lightning_autosp.sharded_init import load_pretrained, materialize_sharded
+from autosp.backend import AutoSPBackend
+from autosp.models import Llama, LlamaConfig
+from autosp.sharded.fsdp import ShardingPolicy, local_tensor, shard_module
+from autosp.passes.sac import SACConfig
+from autosp.sharded.meta_init import load_pretrained, materialize_sharded
 
 STEP_VARIANTS = ("sharded", "sharded_unbucketed", "replicated", "sharded_bf16")
 

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from _common import MiB, SavedBytes, arguments, finish, machine, parser, run_distributed
 
-from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.compile_prep import prepare_for_compile
-from lightning_autosp.passes.sac import SACConfig
+from autosp.backend import AutoSPBackend
+from autosp.compile_prep import prepare_for_compile
+from autosp.passes.sac import SACConfig
 
 CASES = ("hf-llama", "hf-mixtral", "hf-qwen3_moe", "hf-deepseek_v3", "litgpt-pretrain", "litgpt-finetune", "litgpt-moe")
 

@@ -56,10 +56,10 @@ from _common import (
 )
 from ulysses_baseline import default_impl, init_deepspeed, local_shard, ulysses_loss, ulyssesify
 
-from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.examples.models import Llama, LlamaConfig
-from lightning_autosp.fsdp import ShardingPolicy, shard_module, whole
-from lightning_autosp.passes.sac import SACConfig
+from autosp.backend import AutoSPBackend
+from autosp.models import Llama, LlamaConfig
+from autosp.sharded.fsdp import ShardingPolicy, shard_module, whole
+from autosp.passes.sac import SACConfig
 
 VARIANTS = ("autosp_sac", "autosp", "ulysses_compiled", "ulysses_eager", "ddp_compiled", "autosp_sac_fsdp")
 DEFAULT_VARIANTS = VARIANTS[:5]
@@ -320,14 +320,14 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     return {"ulysses": ulysses, "variants": res}
 
 
-#: the memory-model variant (``lightning_autosp/memory/model.py``) that predicts each measured one
+#: the memory-model variant (``autosp/memory/model.py``) that predicts each measured one
 MODEL_OF = {"autosp_sac": "sp_sac", "autosp": "sp", "ulysses_eager": "ulysses_eager", "ddp_compiled": "no_sp"}
 
 
 def add_predictions(results: dict) -> None:
     """The memory model's saved bytes per rank for each variant and process count, traced
     for this run's model and timed length (fp32): the measured column checks the model."""
-    from lightning_autosp.memory import model as mm
+    from autosp.memory import model as mm
 
     a = results["args"]
     cfg = llama_config(a, max_seq_len=a["search_max"])

@@ -2,7 +2,7 @@
 
 For Llama-3.2-1B and Llama-3.1-8B shapes (configurations only; no weights are loaded and
 nothing is run) the training step is traced through the same passes AutoSP applies, for rank
-0 of an 8-way SP group (``lightning_autosp/memory/model.py``), and per-rank memory is
+0 of an 8-way SP group (``autosp/memory/model.py``), and per-rank memory is
 
     static (parameters, gradients, optimizer states; per data-parallel setting)
   + the activation peak of the step (saved activations + transients, from a liveness walk)
@@ -46,11 +46,11 @@ import time
 from dataclasses import replace
 from typing import Optional
 
-from lightning_autosp.memory import model as mm
+from autosp.memory import model as mm
 from _common import GiB, arguments, finish, machine, parser, plot_panels
 
-from lightning_autosp.examples.models import LlamaConfig
-from lightning_autosp.memory.plan import limit_of, longest, static_bytes
+from autosp.models import LlamaConfig
+from autosp.memory.plan import limit_of, longest, static_bytes
 
 SETTINGS = ("zero3", "autosp_fsdp", "ddp")
 # the sharded mode is AutoSP's own: only its variants run under it

@@ -30,7 +30,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_autosp.examples.models.llama import Attention, Llama, apply_rotary, repeat_kv
+from autosp.models.llama import Attention, Llama, apply_rotary, repeat_kv
 
 __all__ = ["UlyssesAttention", "ulyssesify", "local_shard", "ulysses_loss", "default_impl", "init_deepspeed"]
 

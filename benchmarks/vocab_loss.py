@@ -36,9 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _common import GiB, MiB, PeakRSS, arguments, finish, machine, parser, ratio, run_distributed
 
-from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.fused_loss import auto_chunk_rows
-from lightning_autosp.passes.sac import SACConfig
+from autosp.backend import AutoSPBackend
+from autosp.ops.fused_loss import auto_chunk_rows
+from autosp.passes.sac import SACConfig
 
 VARIANTS = {"fused": 0, "logits": None}  # chunked_loss=True / False
 

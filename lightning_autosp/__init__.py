@@ -10,10 +10,10 @@ _compat.check_versions(torch.__version__, lightning.__version__)
 
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
-from lightning_autosp.memory.monitor import ActivationMemoryMonitor  # noqa: E402
-from lightning_autosp.errors import AutoSPError  # noqa: E402
-from lightning_autosp.fsdp import grad_norm  # noqa: E402
-from lightning_autosp.sampler import SequenceParallelSampler  # noqa: E402
+from lightning_autosp.monitor import ActivationMemoryMonitor  # noqa: E402
+from autosp.errors import AutoSPError  # noqa: E402
+from autosp.sharded.fsdp import grad_norm  # noqa: E402
+from autosp.sampler import SequenceParallelSampler  # noqa: E402
 from lightning_autosp.strategy import AutoSPStrategy  # noqa: E402
 
 __all__ = ["AutoSPStrategy", "SequenceParallelSampler", "AutoSPError", "ActivationMemoryMonitor", "grad_norm"]

@@ -1,58 +1,23 @@
-"""Every torch and Lightning version gate of the package lives here.
+"""Every Lightning version gate of the package lives here (torch's: :mod:`autosp._compat`).
 
-The supported ranges are the versions the compatibility subset (``make test-compat``, the
-tests the Makefile lists) passed on; ``pyproject.toml`` declares the same ranges (a test checks
-it) and docs/testing.md lists the versions tried and when. Importing ``lightning_autosp`` with a
-torch or Lightning outside them raises ``ImportError`` at once instead of failing later inside
-a compile or the CLI.
+Importing ``lightning_autosp`` with a torch or Lightning outside the ranges the compatibility
+subset passed on raises ``ImportError`` at once instead of failing later inside a fit or the CLI.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Optional
 
-import torch
-import torch.distributed as dist
-import torch.fx as fx
+from autosp._compat import TORCH_RANGE, SupportedRange, release
 
+__all__ = ["LIGHTNING_RANGE", "TORCH_RANGE", "check_versions", "release", "load_checkpoint_kwargs", "FABRIC_SETUP_PASSES_SCHEDULER"]
 
-@dataclass(frozen=True)
-class SupportedRange:
-    """``minimum <= version < below``, compared on the release numbers (``2.9.1+cu128`` is 2.9.1)."""
-
-    package: str
-    minimum: str
-    below: str
-
-    @property
-    def requirement(self) -> str:
-        """The pip requirement, as written in ``pyproject.toml``."""
-        return f"{self.package}>={self.minimum},<{self.below}"
-
-    def contains(self, version: str) -> bool:
-        return release(self.minimum) <= release(version) < release(self.below)
-
-
-#: oldest tested 2.9.1, newest 2.15.0; 2.8 and older untested (see
-#: :data:`FORK_AFTER_COMPILE_BREAKS_AUTOGRAD` for what changed in 2.14).
-TORCH_RANGE = SupportedRange("torch", "2.9", "2.16")
 #: oldest tested 2.5.3, newest 2.6.6. Lightning 2.4.0's LightningCLI puts its internal
 #: ``_class_path`` into the hparams of both the model and the data module and then refuses to
 #: merge them ("Error while merging hparams"); 2.5.0 skips that key. 2.5.0 - 2.5.2's
 #: RichProgressBar calls ``Console.clear_live()`` on an empty live stack with rich 15.0
 #: (IndexError at the start of fit); 2.5.3 checks first.
 LIGHTNING_RANGE = SupportedRange("lightning", "2.5.3", "2.7")
-
-
-def release(version: str) -> tuple[int, ...]:
-    """The release numbers of a version string: ``"2.9.1+cu128"`` -> ``(2, 9, 1)``,
-    ``"2.16.0a0+git1234"`` -> ``(2, 16, 0)`` (a pre-release counts as its release)."""
-    match = re.match(r"\d+(\.\d+)*", version.strip())
-    if match is None:
-        raise ValueError(f"cannot read a release number from version {version!r}")
-    return tuple(int(part) for part in match.group(0).split("."))
 
 
 def check_versions(torch_version: str, lightning_version: str) -> None:
@@ -68,85 +33,6 @@ def check_versions(torch_version: str, lightning_version: str) -> None:
             f"(pip install '{TORCH_RANGE.requirement}' '{LIGHTNING_RANGE.requirement}'); "
             "docs/testing.md in the repository lists every version run."
         )
-
-
-TORCH_VERSION = release(torch.__version__)
-
-#: torch >= 2.14: once a backward has run on fake tensors in a process - and the AOT tracing of
-#: every ``torch.compile`` of a training step runs one - autograd's worker threads are started,
-#: and a process forked from it afterwards cannot run autograd ("Unable to handle autograd's
-#: threading in combination with fork-based multiprocessing"). 2.13 and older start no threads
-#: there. A forked launch (``start_method="fork"``, Lightning's ``ddp_notebook``) then works
-#: only from a process that has not compiled a training step itself (checked on 2.14.1 and
-#: 2.15.0: a plain backward in the parent is fine, a compiled one is not).
-FORK_AFTER_COMPILE_BREAKS_AUTOGRAD = TORCH_VERSION >= (2, 14)
-
-# torch >= 2.10 renamed reduce_scatter_tensor (the old name warns on every call).
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-# ... and all_gather_into_tensor (all_gather_single; 2.13 warns on every call of the old name)
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-# torch < 2.10: the min-cut partitioner (torch._functorch.partitioners.cleanup_recompute_tags)
-# reads node.meta["ac_graph_id"] of every node tagged node.meta["recompute"] and raises KeyError
-# without it; torch.utils.checkpoint sets both keys (one id per checkpointed region). 2.10 reads
-# the id only where present ("no id" = outside any checkpoint region).
-_PARTITIONER_NEEDS_AC_GRAPH_ID = TORCH_VERSION < (2, 10)
-#: the region id of nodes tagged by our SAC policy (torch.utils.checkpoint numbers its regions from 1)
-SAC_AC_GRAPH_ID = 0
-
-
-def prepare_recompute_tags(joint: fx.GraphModule) -> fx.GraphModule:
-    """Make the ``node.meta["recompute"]`` tags of an AOT joint graph readable by the installed
-    partitioner (in place): on torch < 2.10, every tagged node without an ``ac_graph_id`` joins
-    one region, :data:`SAC_AC_GRAPH_ID`, so the partitioner sees no region boundary between
-    them, as 2.10 and newer do. No-op on torch >= 2.10."""
-    if _PARTITIONER_NEEDS_AC_GRAPH_ID:
-        for node in joint.graph.nodes:
-            if "recompute" in node.meta:
-                node.meta.setdefault("ac_graph_id", SAC_AC_GRAPH_ID)
-    return joint
-
-
-def graph_break_counter() -> dict:
-    """Dynamo's running count of graph breaks by reason (read-only use, for error messages)."""
-    from torch._dynamo.utils import counters
-
-    return dict(counters.get("graph_break", {}))
-
-
-def all_gather_autograd(tensor: torch.Tensor, gather_dim: int, group_name: str) -> torch.Tensor:
-    """The differentiable functional all-gather (its adjoint is a reduce-scatter):
-    ``all_gather_single_autograd`` from torch 2.13, ``all_gather_tensor_autograd`` before (which
-    2.13 still has, with a deprecation warning)."""
-    from torch.distributed import _functional_collectives as funcol
-
-    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-    return gather(tensor, gather_dim, group_name)
-
-
-#: torch's FX bucketing merges the sharded mode's collectives correctly from 2.13 (checked on
-#: 2.13.0, 2.14.1 and 2.15.0; 2.15 once each collective has one wait, see
-#: ``passes.bucketing.merge_duplicate_waits``): 2.9.1 merges all-gathers of shards cast to
-#: bfloat16 into NaN (its merge expects the cast as prims.convert_element_type; aot_eager graphs
-#: hold aten._to_copy) and loses Dynamo's
-#: nn_module_stack in the partitioned graphs (no blocks to bucket by). 2.10 - 2.12 are unchecked.
-#: Below it the parameters are gathered one collective each (correct, more collectives).
-BUCKETING_MERGES = TORCH_VERSION >= (2, 13)
-
-
-def merge_collective_buckets(gm: fx.GraphModule, gather_buckets: list, scatter_buckets: list) -> None:
-    """Merge each bucket of functional all-gathers (reduce-scatters) of ``gm`` into one, with
-    torch's FX bucketing (``torch._inductor.fx_passes.bucketing``, the passes behind inductor's
-    ``bucket_all_gathers_fx``), in place."""
-    from torch._inductor.fx_passes.bucketing import merge_all_gather, merge_reduce_scatter
-    from torch._inductor.pattern_matcher import stable_topological_sort
-
-    if gather_buckets:
-        merge_all_gather(gm, gather_buckets)
-    if scatter_buckets:
-        merge_reduce_scatter(gm, scatter_buckets)
-    # a merged collective sits where the bucket's last one was: move the earlier ones' users after it
-    stable_topological_sort(gm.graph)
 
 
 def load_checkpoint_kwargs(weights_only: Optional[bool]) -> dict:
@@ -166,9 +52,3 @@ def _fabric_setup_passes_scheduler() -> bool:
 #: Fabric's ``Strategy.setup_module_and_optimizers`` takes and returns an LR scheduler since
 #: Lightning 2.6 (``(module, optimizers, scheduler)``); 2.5 passes and expects ``(module, optimizers)``.
 FABRIC_SETUP_PASSES_SCHEDULER = _fabric_setup_passes_scheduler()
-
-
-def dense_or_false(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s strides are non-overlapping and dense, ``False`` where symbolic sizes
-    leave it open (torch 2.9-2.15 all have this helper under the same name)."""
-    return bool(torch._prims_common._is_non_overlapping_and_dense_or_false(tensor.shape, tensor.stride()))

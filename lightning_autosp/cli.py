@@ -1,7 +1,7 @@
 """``lightning-autosp``: the LightningCLI entry point, and ``plan``.
 
     lightning-autosp fit --config configs/demo_cpu.yaml
-    lightning-autosp plan --config configs/llama8b_sp8_fsdp.yaml   (lightning_autosp.memory.plan)
+    lightning-autosp plan --config configs/llama8b_sp8_fsdp.yaml   (autosp.memory.plan)
 
 Any LightningModule / LightningDataModule can be named by ``class_path``; when the data module
 has a ``vocab_size`` it is passed on to the model's ``vocab_size``.
@@ -26,7 +26,7 @@ class AutoSPCLI(LightningCLI):
 def main(args: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["plan"]:  # not a LightningCLI subcommand: sizes a run before launch
-        from lightning_autosp.memory.plan import main as plan
+        from autosp.memory.plan import main as plan
 
         plan(argv[1:])
         return

@@ -21,7 +21,7 @@ computation, model forward and loss together, so that the logits never leave the
         ...
 
 Everything else is Fabric's DDP strategy - or, with ``fsdp=True``/``"hybrid"``, the sharded mode
-(:mod:`lightning_autosp.sharded_mode`): parameters DTensors under their own names and shapes,
+(:mod:`autosp.sharded.mode`): parameters DTensors under their own names and shapes,
 ``fabric.clip_gradients`` over them, ``fabric.save``/``fabric.load`` as DCP directories in the
 format the Trainer strategy writes (a replicated run: one file, likewise), so a run can move
 between the two and between layouts.
@@ -44,17 +44,17 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_autosp._compat import FABRIC_SETUP_PASSES_SCHEDULER
-from lightning_autosp.arguments import check_arguments
-from lightning_autosp.backend import CompiledStep
-from lightning_autosp.checkpoint import current_names, is_distributed_checkpoint, load_distributed, optimizer_param_names
-from lightning_autosp.errors import AutoSPError
-from lightning_autosp.fsdp import whole
-from lightning_autosp.launch import prepare_rank
-from lightning_autosp.mesh import SPGrid
-from lightning_autosp.sharded_init import has_meta_tensors, materialize_meta
-from lightning_autosp.sharded_mode import ShardedMode
-from lightning_autosp.compile_prep import prepare_for_compile
-from lightning_autosp.steps import StepRunner
+from autosp.arguments import check_arguments
+from autosp.backend import CompiledStep
+from autosp.checkpoint import current_names, is_distributed_checkpoint, load_distributed, optimizer_param_names
+from autosp.errors import AutoSPError
+from autosp.sharded.fsdp import whole
+from autosp.launch import prepare_rank
+from autosp.mesh import SPGrid
+from autosp.sharded.meta_init import has_meta_tensors, materialize_meta
+from autosp.sharded.mode import ShardedMode
+from autosp.compile_prep import prepare_for_compile
+from autosp.steps import StepRunner
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.registry import _StrategyRegistry

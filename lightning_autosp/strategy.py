@@ -1,9 +1,9 @@
 """``AutoSPStrategy``: DeepSpeed-Ulysses sequence parallelism for unmodified Lightning modules.
 
 A thin adapter from the Trainer's hooks to the framework-agnostic core: the ``dp x sp`` mesh
-(:mod:`lightning_autosp.mesh`), the compiled steps and their checks
-(:mod:`lightning_autosp.steps`), the sharded mode (:mod:`lightning_autosp.sharded_mode`) and
-checkpoints (:mod:`lightning_autosp.checkpoint`). ``lightning_autosp.fabric.AutoSPStrategy`` is
+(:mod:`autosp.mesh`), the compiled steps and their checks
+(:mod:`autosp.steps`), the sharded mode (:mod:`autosp.sharded.mode`) and
+checkpoints (:mod:`autosp.checkpoint`). ``lightning_autosp.fabric.AutoSPStrategy`` is
 the same for Lightning Fabric.
 """
 
@@ -25,18 +25,18 @@ from typing_extensions import override
 
 from lightning_autosp import module_hooks
 from lightning_autosp._compat import load_checkpoint_kwargs
-from lightning_autosp.backend import CompiledStep
-from lightning_autosp.checkpoint import current_names, is_distributed_checkpoint, load_distributed, optimizer_param_names
-from lightning_autosp.arguments import check_arguments
-from lightning_autosp.fsdp import DDP_ONLY_ARGUMENTS
-from lightning_autosp.launch import prepare_rank
-from lightning_autosp.mesh import SPGrid
-from lightning_autosp.passes.sac import SACConfig
-from lightning_autosp.sampler import make_resumable
-from lightning_autosp.sharded_init import has_meta_tensors
-from lightning_autosp.sharded_mode import ShardedMode
-from lightning_autosp.compile_prep import prepare_for_compile
-from lightning_autosp.steps import StepRunner
+from autosp.backend import CompiledStep
+from autosp.checkpoint import current_names, is_distributed_checkpoint, load_distributed, optimizer_param_names
+from autosp.arguments import check_arguments
+from autosp.sharded.fsdp import DDP_ONLY_ARGUMENTS
+from autosp.launch import prepare_rank
+from autosp.mesh import SPGrid
+from autosp.passes.sac import SACConfig
+from autosp.sampler import make_resumable
+from autosp.sharded.meta_init import has_meta_tensors
+from autosp.sharded.mode import ShardedMode
+from autosp.compile_prep import prepare_for_compile
+from autosp.steps import StepRunner
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -86,7 +86,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
             for memory (attention and collectives stay saved).
         seq_dim: the sequence dim of the batch's tensors (``[B, S]`` token ids: 1).
         fsdp: shard parameters, gradients and optimizer state (ZeRO-3 semantics,
-            :mod:`lightning_autosp.sharded_mode`) instead of a DDP replica per rank: ``True`` or
+            :mod:`autosp.sharded.mode`) instead of a DDP replica per rank: ``True`` or
             ``"full"`` over every rank, ``"hybrid"`` over the ranks of each node with a replica per
             node. Every parameter is a ``DTensor`` under its own name with its global shape (so
             ``configure_optimizers``, clipping and norms see what they see on one device),
@@ -105,13 +105,13 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
             itself): a Hugging Face directory of ``*.safetensors``, a ``.safetensors`` file or a
             ``torch.save``-d state dict; each rank reads only its shards.
         chunked_loss: compute ``cross_entropy(linear(hidden, W_vocab), labels)`` in chunks of
-            tokens, never the whole logits (:mod:`lightning_autosp.fused_loss`; same loss and
+            tokens, never the whole logits (:mod:`autosp.ops.fused_loss`; same loss and
             gradients), where nothing else in the step reads them: ``True`` sizes the chunks
             from the vocabulary, an int sets the tokens per chunk, ``False`` keeps the logits.
         tiled_attention: attention whose mask the model builds from positions (causal with padding,
             packed documents from restarting ``position_ids`` or document ids, sliding windows,
             ALiBi, soft-capping in hand-written attention) runs tile by tile with the mask
-            evaluated per tile (:mod:`lightning_autosp.tiled_attention`; same loss and gradients),
+            evaluated per tile (:mod:`autosp.ops.tiled_attention`; same loss and gradients),
             so no ``S x S`` mask or score tensor exists and fully masked tiles are skipped: ``True``
             sizes the tiles automatically, an int sets the query rows and key columns per tile,
             ``False`` keeps such masks as dense ``S x S`` tensors on every rank. Plain causal
@@ -123,7 +123,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
             when it holds 5% or more of the bytes the step saves for backward.
         activation_offload: move tensors the step saves for backward to host memory after
             forward computes them and back before backward reads them
-            (:mod:`lightning_autosp.passes.offload`; same loss and gradients; needs
+            (:mod:`autosp.passes.offload`; same loss and gradients; needs
             ``compile_backend`` ``"inductor"`` or ``"aot_eager"``): ``"auto"`` (default) only
             as far as ``memory_budget`` requires, the earliest-saved first, and nothing without a
             ``memory_budget``; ``True`` every saved activation; ``False`` none. On CUDA the host
@@ -227,7 +227,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     def compiled_steps(self) -> Mapping[str, CompiledStep]:
         """What AutoSP compiled, per step method (``"training_step"``, ``"validation_step"``,
         ``"test_step"``, ``"predict_step"``), from ``setup`` until ``teardown``: a read-only
-        mapping of :class:`~lightning_autosp.backend.CompiledStep` snapshots taken when the
+        mapping of :class:`~autosp.backend.CompiledStep` snapshots taken when the
         property is read - per graph, what the SP pass did (``pass_stats``; summed in
         ``sdpa_rewritten``, ``all_to_alls``, ``fallbacks``) and, with an AOT ``compile_backend``,
         what each training graph saves for backward (``saved_activations``;
@@ -252,7 +252,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Training loaders continue an interrupted epoch where a checkpoint stopped
-        (:class:`~lightning_autosp.sampler.ResumableOrder`)."""
+        (:class:`~autosp.sampler.ResumableOrder`)."""
         dataloader = super().process_dataloader(dataloader)
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.training:
@@ -328,7 +328,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Sharded (``fsdp`` during ``fit``): a torch distributed checkpoint directory at
-        ``filepath`` (:mod:`lightning_autosp.checkpoint`); no rank gathers the model. Otherwise
+        ``filepath`` (:mod:`autosp.checkpoint`); no rank gathers the model. Otherwise
         Lightning's single file, with the optimizer's parameter names added so that a sharded run
         can resume from it."""
         checkpoint = _loader_states_aside(checkpoint)

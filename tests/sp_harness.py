@@ -19,12 +19,12 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_autosp import AutoSPStrategy
-from lightning_autosp._compat import FORK_AFTER_COMPILE_BREAKS_AUTOGRAD
-from lightning_autosp.launch import unshare
-from lightning_autosp.fsdp import full_state_dict, sharded_parameter_bytes
-from lightning_autosp.passes import sequence_parallel_pass
-from lightning_autosp.passes.sac import SACConfig, SACPartitioner
-from lightning_autosp.examples.models import GPT, GPTConfig, Llama, LlamaConfig
+from autosp._compat import FORK_AFTER_COMPILE_BREAKS_AUTOGRAD
+from autosp.launch import unshare
+from autosp.sharded.fsdp import full_state_dict, sharded_parameter_bytes
+from autosp.passes import sequence_parallel_pass
+from autosp.passes.sac import SACConfig, SACPartitioner
+from autosp.models import GPT, GPTConfig, Llama, LlamaConfig
 
 VOCAB = 64
 
@@ -485,7 +485,7 @@ def naive_reference_fn(model_factory: Callable, loss_fn: Callable, run: "Run", s
     """The negative control on one device: each SP rank's slice of the sequence on its own
     (every dim of size S sliced, masks included), losses averaged - sharding without the pass
     (``kwargs``: as for :func:`replay`)."""
-    from lightning_autosp.layout import seq_split_sizes
+    from autosp.layout import seq_split_sizes
 
     def chunks(batch):
         S = batch["input_ids"].shape[1]
@@ -522,7 +522,7 @@ class TraceStop(Exception):
 
 def hint_int(size) -> int:
     """A size at the sizes the step was traced with (a data-dependent one at its upper bound)."""
-    from lightning_autosp.passes.placement import hinted_size
+    from autosp.passes.placement import hinted_size
 
     return hinted_size(size)
 

@@ -129,7 +129,7 @@ def test_lengths_change_without_recompiling(tmp_path, backend):
     graphs = [len(rec["graphs"]["training_step"]) for rec in run.ranks]
     assert graphs[0] == graphs[1], f"SP ranks compiled different numbers of graphs: {graphs}"
     assert sum(1 for g in run.ranks[0]["graphs"]["training_step"] if g.sdpa) == 1  # one compile, three lengths
-    # ... which AutoSP compiled twice in its own shape environment (lightning_autosp/local_shapes.py):
+    # ... which AutoSP compiled twice in its own shape environment (autosp/ops/local_shapes.py):
     # for even lengths (S = 2c), where 40 reuses 24's code, and once for any length (31)
     for rec in run.ranks:
         first, general = rec["length_symbols"]

@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import gpu_check  # noqa: E402
 from _common import SavedBytes  # noqa: E402
-from lightning_autosp.memory import model as mm  # noqa: E402
+from autosp.memory import model as mm  # noqa: E402
 import trainability  # noqa: E402
 from sp_harness import spawn  # noqa: E402
 
-from lightning_autosp.examples.models import Llama, LlamaConfig  # noqa: E402
+from autosp.models import Llama, LlamaConfig  # noqa: E402
 
 CFG = LlamaConfig.tiny(vocab_size=96, n_layers=1)
 

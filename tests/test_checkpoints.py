@@ -10,7 +10,7 @@ import pytest
 import torch
 from sp_harness import LMModule, TokenData, lm_loss, make_model, make_optimizer, rel_err, run_fit
 
-from lightning_autosp.checkpoint import read_model_state_dict
+from autosp.checkpoint import read_model_state_dict
 
 LR = 1e-2
 STEPS, SAVE_AT = 8, 3  # 4 batches per epoch: the checkpoint interrupts epoch 0
@@ -184,7 +184,7 @@ def _state_now(trainer, module) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torch.distributed.tensor import DTensor
 
-    from lightning_autosp.fsdp import full_state_dict
+    from autosp.sharded.fsdp import full_state_dict
 
     optimizer = trainer.optimizers[0]
     state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))["state"]
@@ -218,7 +218,7 @@ class _AtTeardown(L.Callback):
     def teardown(self, trainer, pl_module, stage):
         from torch.distributed.tensor import DTensor
 
-        from lightning_autosp.fsdp import is_sharded
+        from autosp.sharded.fsdp import is_sharded
 
         state = {k: v.clone() for k, v in pl_module.state_dict().items()}
         dtensors = any(isinstance(v, DTensor) for v in state.values())
@@ -323,7 +323,7 @@ def _sharded(kind, seed):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_autosp.fsdp import ShardingPolicy, shard_module
+    from autosp.sharded.fsdp import ShardingPolicy, shard_module
 
     model = make_model(kind, 1)
     torch.manual_seed(seed)
@@ -342,8 +342,8 @@ def _save_sharded_gpt(rank, world, path):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from lightning_autosp import AutoSPError
-    from lightning_autosp.checkpoint import load_distributed, save_distributed
-    from lightning_autosp.fsdp import full_state_dict
+    from autosp.checkpoint import load_distributed, save_distributed
+    from autosp.sharded.fsdp import full_state_dict
 
     model = _sharded("gpt", 0)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -375,7 +375,7 @@ def _save_sharded_gpt(rank, world, path):
 
 def _load_damaged(rank, world, path):
     from lightning_autosp import AutoSPError
-    from lightning_autosp.checkpoint import load_distributed
+    from autosp.checkpoint import load_distributed
 
     model = _sharded("gpt", 1)
     before = [p.to_local().clone() for p in model.parameters()]
@@ -438,8 +438,8 @@ def _save_sharded_hf(rank, world, path):
     from torch.distributed.device_mesh import DeviceMesh
     from test_any_model import hf_model
 
-    from lightning_autosp.checkpoint import save_distributed
-    from lightning_autosp.fsdp import ShardingPolicy, full_state_dict, shard_module
+    from autosp.checkpoint import save_distributed
+    from autosp.sharded.fsdp import ShardingPolicy, full_state_dict, shard_module
 
     holder = torch.nn.Module()
     holder.model = hf_model("llama", 1)()
@@ -454,7 +454,7 @@ def _save_sharded_hf(rank, world, path):
 
 @pytest.mark.slow
 def test_export_to_one_file_and_to_hugging_face(tmp_path):
-    """``python -m lightning_autosp.export``: a sharded checkpoint of a Hugging Face Llama (keys
+    """``python -m autosp.export``: a sharded checkpoint of a Hugging Face Llama (keys
     ``model._orig_mod.*`` as a compiled module inside a LightningModule saves them) becomes (a)
     one file with the model's own keys that ``load_state_dict`` takes strictly on one device and
     (b) ``save_pretrained`` files that ``from_pretrained`` loads: logits equal the trained
@@ -466,7 +466,7 @@ def test_export_to_one_file_and_to_hugging_face(tmp_path):
     from sp_harness import spawn
     from test_any_model import hf_model
 
-    from lightning_autosp.export import export_state_dict, main
+    from autosp.export import export_state_dict, main
 
     transformers = pytest.importorskip("transformers")
     ckpt = tmp_path / "hf.ckpt"
@@ -485,7 +485,7 @@ def test_export_to_one_file_and_to_hugging_face(tmp_path):
     assert torch.equal(model(input_ids=ids).logits, want)
 
     reference.config.save_pretrained(tmp_path / "config")
-    cmd = [sys.executable, "-m", "lightning_autosp.export", str(ckpt), str(tmp_path / "hf"), "--hf-config", str(tmp_path / "config")]
+    cmd = [sys.executable, "-m", "autosp.export", str(ckpt), str(tmp_path / "hf"), "--hf-config", str(tmp_path / "config")]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="sdpa")
     assert (loaded(input_ids=ids).logits - want).abs().max().item() <= 1e-6
@@ -504,7 +504,7 @@ def test_resumable_order_continues_the_epoch(recwarn):
     control: a resume without the saved state would repeat the epoch's first batches."""
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from lightning_autosp.sampler import make_resumable
+    from autosp.sampler import make_resumable
 
     data, batch, seen = list(range(11)), 2, 2
 

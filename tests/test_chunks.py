@@ -1,5 +1,5 @@
 """Losses computed in chunks of rows (LitGPT's ``chunked_cross_entropy``) merged into one loss over
-the rows before the SP pass (``lightning_autosp.passes.chunks``): the merged graph computes the
+the rows before the SP pass (``autosp.passes.chunks``): the merged graph computes the
 same loss and gradients, and chunkings that are not row by row are left alone."""
 
 import copy
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_autosp.passes.chunks import merge_row_chunks
+from autosp.passes.chunks import merge_row_chunks
 
 N, V = 30, 11
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from sp_harness import spawn
 
-from lightning_autosp import ops
-from lightning_autosp.layout import chunk_size, seq_split_sizes, shard_window
-from lightning_autosp.passes import runtime
+from autosp.ops import collectives as ops
+from autosp.layout import chunk_size, seq_split_sizes, shard_window
+from autosp.passes import runtime
 
 H, D = 6, 3  # heads divisible by 2 and 3
 

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from lightning_autosp import _compat
+from autosp import _compat
 from lightning_autosp._compat import LIGHTNING_RANGE, TORCH_RANGE, check_versions, release
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,13 +1,13 @@
-"""Full garbage collections deferred while AutoSP compiles (lightning_autosp._gc)."""
+"""Full garbage collections deferred while AutoSP compiles (autosp._gc)."""
 
 import gc
 
 import pytest
 import torch
 
-from lightning_autosp import _gc
-from lightning_autosp._gc import DEFERRED_THRESHOLD, full_collections_deferred
-from lightning_autosp.backend import AutoSPBackend
+from autosp import _gc
+from autosp._gc import DEFERRED_THRESHOLD, full_collections_deferred
+from autosp.backend import AutoSPBackend
 
 
 @pytest.fixture(autouse=True)

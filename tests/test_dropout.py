@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from sp_harness import VOCAB, TokenData, compare, run_fit
 
 from lightning_autosp import AutoSPError
-from lightning_autosp.passes import sequence_parallel_pass
+from autosp.passes import sequence_parallel_pass
 
 P = 0.5
 S = 32

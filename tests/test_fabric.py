@@ -171,7 +171,7 @@ def _cross_load(rank, world, out_dir):
     into a module holding it as ``self.model`` (the Trainer's LightningModule), and back."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from lightning_autosp.checkpoint import load_distributed, save_distributed
+    from autosp.checkpoint import load_distributed, save_distributed
 
     results = {}
     for name, writer, reader in (("fabric->trainer", tiny_gpt("llama"), _Holder()), ("trainer->fabric", _Holder(), tiny_gpt("llama"))):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from sp_harness import START_METHOD, LMModule, TokenData, free_port, run_fit
 
 from lightning_autosp import AutoSPStrategy
-from lightning_autosp._compat import FORK_AFTER_COMPILE_BREAKS_AUTOGRAD
+from autosp._compat import FORK_AFTER_COMPILE_BREAKS_AUTOGRAD
 
 
 class RankDependentData(TokenData):

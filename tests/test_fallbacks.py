@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from sp_harness import VOCAB, trace_rank
 
 from lightning_autosp import AutoSPStrategy
-from lightning_autosp.errors import AutoSPError
+from autosp.errors import AutoSPError
 from lightning_autosp.fabric import AutoSPStrategy as FabricAutoSP
-from lightning_autosp.passes.rewrite import SPPassStats
-from lightning_autosp.steps import LOUD_FALLBACK, StepConfig, StepRunner
+from autosp.passes.rewrite import SPPassStats
+from autosp.steps import LOUD_FALLBACK, StepConfig, StepRunner
 
 B, S, H, D = 2, 24, 4, 8
 
@@ -66,7 +66,7 @@ def test_large_replicated_ops_warn_small_ones_inform(caplog):
         fallback_bytes=[int(LOUD_FALLBACK * 2**20) + 1, int(LOUD_FALLBACK * 2**20) - 1],
         fallback_sources=['File "model.py", line 3\n    y.cumsum(1)', 'File "model.py", line 4\n    y.flip(1)'],
     )
-    with caplog.at_level(logging.INFO, logger="lightning_autosp.steps"):
+    with caplog.at_level(logging.INFO, logger="autosp.steps"):
         runner._report_fallbacks("training_step", stats, saved=2**20)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
@@ -74,7 +74,7 @@ def test_large_replicated_ops_warn_small_ones_inform(caplog):
     assert "model.py" in warnings[0] and "MiB per rank" in warnings[0] and "strict=True" in warnings[0]
     assert len(infos) == 1 and "small (flip)" in infos[0]
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="lightning_autosp.steps"):  # saved bytes unknown: both are loud
+    with caplog.at_level(logging.INFO, logger="autosp.steps"):  # saved bytes unknown: both are loud
         runner._report_fallbacks("training_step", stats, saved=None)
     assert [r.levelno for r in caplog.records] == [logging.WARNING] and "flip" in caplog.records[0].getMessage()
 

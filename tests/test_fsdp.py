@@ -100,7 +100,7 @@ def test_sharded_matches_single_device(tmp_path, kind, devices, sp_size, clip, i
     # reduce-scatter per block in backward; never one bucket for the whole model
     forward, backward = run.ranks[0]["buckets"]["training_step"]
     print(f"  collectives per step: forward {forward.all_gathers} gathers -> {forward.gather_buckets}, backward {backward.all_gathers} -> {backward.gather_buckets} gathers and {backward.reduce_scatters} -> {backward.scatter_buckets} reduce-scatters")
-    from lightning_autosp._compat import BUCKETING_MERGES
+    from autosp._compat import BUCKETING_MERGES
 
     if BUCKETING_MERGES:
         assert forward.all_gathers > 10 and forward.gather_buckets == 3 and backward.scatter_buckets == 3 and backward.gather_buckets == 2
@@ -200,7 +200,7 @@ def _shard_roundtrip(rank, world):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-    from lightning_autosp.fsdp import ShardingPolicy, full_state_dict, is_sharded, shard_module, unshard_module
+    from autosp.sharded.fsdp import ShardingPolicy, full_state_dict, is_sharded, shard_module, unshard_module
 
     model = make_model("gpt")  # its output head is tied to the token embedding
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -287,7 +287,7 @@ def test_materialize_meta_runs_the_models_own_initialisers():
     from test_any_model import hf_model
 
     from lightning_autosp import AutoSPError
-    from lightning_autosp.sharded_init import has_meta_tensors, materialize_meta
+    from autosp.sharded.meta_init import has_meta_tensors, materialize_meta
 
     with torch.device("meta"):
         gpt = make_model("gpt")
@@ -579,8 +579,8 @@ def _build_sharded(rank, world, path):
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_autosp import AutoSPError
-    from lightning_autosp.fsdp import ShardingPolicy, full_state_dict, shard_module
-    from lightning_autosp.sharded_init import load_pretrained, materialize_sharded
+    from autosp.sharded.fsdp import ShardingPolicy, full_state_dict, shard_module
+    from autosp.sharded.meta_init import load_pretrained, materialize_sharded
 
     policy = ShardingPolicy(DeviceMesh.from_group(dist.group.WORLD, "cpu"))
     torch.manual_seed(0)
@@ -670,7 +670,7 @@ def test_duplicate_waits_on_one_gather_become_one():
     """torch >= 2.14 traces a tied parameter (embedding and head) as one all-gather with a wait per
     read; bucketing needs one wait per collective. The later wait's users move to the first;
     collectives with one wait each are left alone (the control)."""
-    from lightning_autosp.passes.bucketing import merge_duplicate_waits
+    from autosp.passes.bucketing import merge_duplicate_waits
 
     c10d = torch.ops._c10d_functional
     g = torch.fx.Graph()

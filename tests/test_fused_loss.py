@@ -12,8 +12,10 @@ import torch.nn.functional as F
 from sp_harness import lm_loss, make_model
 from test_pass import batch, capture
 
-from lightning_autosp import AutoSPStrategy, fused_loss
-from lightning_autosp.passes import runtime, sequence_parallel_pass
+from lightning_autosp import AutoSPStrategy
+
+from autosp.ops import fused_loss
+from autosp.passes import runtime, sequence_parallel_pass
 
 TOL = 1e-5
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from sp_harness import spawn
 from torch import nn
 
-from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.passes.sac import SACConfig
+from autosp.backend import AutoSPBackend
+from autosp.passes.sac import SACConfig
 
 VOCAB, HEADS, KV_HEADS, DIM = 32, 8, 4, 32  # 2 KV heads per rank: a wrong head order shows
 N_REP = HEADS // KV_HEADS

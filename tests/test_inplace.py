@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from sp_harness import VOCAB, FnModule, TokenData, check_against_references, run_fit
 
 from lightning_autosp import AutoSPError
-from lightning_autosp.passes import sequence_parallel_pass
+from autosp.passes import sequence_parallel_pass
 
 
 class InplaceLM(nn.Module):

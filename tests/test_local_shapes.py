@@ -1,4 +1,4 @@
-"""The rewritten graph compiled in a shape environment of its own (lightning_autosp/local_shapes.py):
+"""The rewritten graph compiled in a shape environment of its own (autosp/ops/local_shapes.py):
 local lengths become plain polynomials of one symbol, and the compile's guards are checked on
 every call by AutoSP itself (Dynamo never sees them)."""
 
@@ -7,10 +7,10 @@ import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv
 
-from lightning_autosp.backend import _example_values
-from lightning_autosp.layout import chunk_size
-from lightning_autosp.local_shapes import LocalShapeCompiled, build_local_shapes
-from lightning_autosp.passes.sequence_parallel import find_sequence_symbol
+from autosp.backend import _example_values
+from autosp.layout import chunk_size
+from autosp.ops.local_shapes import LocalShapeCompiled, build_local_shapes
+from autosp.passes.sequence_parallel import find_sequence_symbol
 from sp_harness import make_model
 from test_pass import batch, capture
 
@@ -110,7 +110,7 @@ def test_a_call_whose_sizes_break_a_guard_compiles_again():
 def test_saved_sizes_at_another_length_follow_the_compiles_symbols():
     """A record compiled for even lengths (S = 2c) evaluates at 64 tokens with c = 32, refuses an
     odd length (another compile's sizes), and a general record takes any length."""
-    from lightning_autosp.passes.accounting import SavedActivations, SavedTensor
+    from autosp.passes.accounting import SavedActivations, SavedTensor
 
     c, s = sympy.Symbol("s7", integer=True, positive=True), sympy.Symbol("s8", integer=True, positive=True)
     exact = SavedActivations([SavedTensor("h", "linear", 4 * 16 * c, ("c", "16"), "float32")], symbols=("s7",), binding=(8,),

@@ -177,8 +177,8 @@ def test_packed_documents_no_mask_reads_are_warned_once(caplog):
     a step whose mask reads them, or rows of one document, get none."""
     from types import SimpleNamespace
 
-    from lightning_autosp.passes import SPPassStats
-    from lightning_autosp.steps import StepConfig, StepRunner
+    from autosp.passes import SPPassStats
+    from autosp.steps import StepConfig, StepRunner
 
     packed = {"input_ids": torch.zeros(2, 12, dtype=torch.long), "position_ids": torch.cat([torch.arange(5), torch.arange(7)]).repeat(2, 1)}
     plain = {**packed, "position_ids": torch.arange(12).repeat(2, 1)}
@@ -188,13 +188,13 @@ def test_packed_documents_no_mask_reads_are_warned_once(caplog):
         r.backends["training_step"] = SimpleNamespace(pass_stats=[SPPassStats(mask_inputs=set(mask_inputs))])
         return r
 
-    with caplog.at_level(logging.WARNING, logger="lightning_autosp.steps"):
+    with caplog.at_level(logging.WARNING, logger="autosp.steps"):
         r = runner({"s0"})
         r._check_packed_positions("training_step", packed)
         r._check_packed_positions("training_step", packed)
     assert caplog.text.count("restarts within a row") == 1 and "use_cache=False" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="lightning_autosp.steps"):
+    with caplog.at_level(logging.WARNING, logger="autosp.steps"):
         runner({"L_batch_position_ids_"})._check_packed_positions("training_step", packed)
         runner(set())._check_packed_positions("training_step", plain)
     assert "restarts within a row" not in caplog.text

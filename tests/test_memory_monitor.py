@@ -14,11 +14,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_autosp import ActivationMemoryMonitor, AutoSPStrategy
-from lightning_autosp.backend import CompiledStep
-from lightning_autosp.passes.accounting import OP_KINDS, SavedActivations, SavedTensor, op_kind
-from lightning_autosp.memory.eager import EagerSavedTensors
-from lightning_autosp.memory.monitor import format_summary, plot_saved_bytes, summarize
-from lightning_autosp.passes import SPPassStats
+from autosp.backend import CompiledStep
+from autosp.passes.accounting import OP_KINDS, SavedActivations, SavedTensor, op_kind
+from autosp.memory.eager import EagerSavedTensors
+from lightning_autosp.monitor import format_summary, plot_saved_bytes, summarize
+from autosp.passes import SPPassStats
 
 KEYS = [f"saved_{k}_bytes" for k in (*OP_KINDS, "total")] + ["peak_bytes"]
 

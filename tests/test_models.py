@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from lightning_autosp.examples.kv_recall import IGNORE_INDEX, KVRecallDataModule, KVRecallDataset
 from lightning_autosp.examples.causal_lm import CausalLMModule, WarmupCosine
-from lightning_autosp.examples.models import GPT, GPTConfig, Llama, LlamaConfig, build_model, repeat_kv
+from autosp.models import GPT, GPTConfig, Llama, LlamaConfig, build_model, repeat_kv
 
 torch.set_num_threads(1)
 
@@ -83,7 +83,7 @@ def test_gqa_matches_mha_with_copied_kv_heads():
 
 
 def test_rmsnorm_reference_and_dtype():
-    from lightning_autosp.examples.models import RMSNorm
+    from autosp.models import RMSNorm
 
     norm = RMSNorm(8, eps=1e-5)
     with torch.no_grad():

@@ -9,7 +9,7 @@ import torch.nn as nn
 from mask_models import ModelZoo, PaddedBothSides, padded_call, plain_call
 from sp_harness import START_METHOD, FnModule, check_against_references, run_fit
 
-from lightning_autosp.backend import collectives_keep_their_order
+from autosp.backend import collectives_keep_their_order
 
 VOCAB = 64
 
@@ -93,7 +93,7 @@ def test_a_dispatch_on_other_tokens_is_caught(tmp_path, monkeypatch):
     rank's rows (the local permutation then picks other tokens) is far from one device."""
     from sp_harness import compare, reference_fn
 
-    from lightning_autosp.passes.sp_rules import expert_dispatch
+    from autosp.passes.sp_rules import expert_dispatch
 
     monkeypatch.setattr(expert_dispatch, "_rank_rows", lambda rw, base, want: rw.redistribute.to_replicate(base))
     factory, loss = (lambda: SortedMoE(seed=24)), ids_call

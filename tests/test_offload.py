@@ -12,11 +12,11 @@ from sp_harness import VOCAB, lm_loss, rel_err, spawn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_autosp import AutoSPStrategy
-from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.examples.models import Llama, LlamaConfig
-from lightning_autosp.passes import offload as offload_pass
-from lightning_autosp.passes.offload import OffloadConfig, parse_bytes, plan_offload
-from lightning_autosp.passes.sac import SACConfig
+from autosp.backend import AutoSPBackend
+from autosp.models import Llama, LlamaConfig
+from autosp.passes import offload as offload_pass
+from autosp.passes.offload import OffloadConfig, parse_bytes, plan_offload
+from autosp.passes.sac import SACConfig
 
 OFFLOAD_OPS = {"autosp_offload::reload": "reload"}
 

@@ -8,12 +8,12 @@ from sp_harness import VOCAB, lm_loss, make_model, spawn
 from torch._dynamo.backends.common import aot_autograd
 
 from lightning_autosp import AutoSPError
-from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.examples.models import Llama, LlamaConfig
-from lightning_autosp.passes import sequence_parallel_pass
-from lightning_autosp.passes.rewrite import SPRewrite
-from lightning_autosp.passes.sequence_parallel import SDPA, SEQ_GATHER, SEQ_SCATTER, _run, find_sequence_symbol
-from lightning_autosp.passes.sp_rules.attention import exchanged_source
+from autosp.backend import AutoSPBackend
+from autosp.models import Llama, LlamaConfig
+from autosp.passes import sequence_parallel_pass
+from autosp.passes.rewrite import SPRewrite
+from autosp.passes.sequence_parallel import SDPA, SEQ_GATHER, SEQ_SCATTER, _run, find_sequence_symbol
+from autosp.passes.sp_rules.attention import exchanged_source
 
 A2A = (SEQ_GATHER, SEQ_SCATTER)
 

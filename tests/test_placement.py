@@ -9,9 +9,9 @@ import torch
 import torch.fx as fx
 from torch.utils._sympy.functions import FloorDiv
 
-from lightning_autosp.layout import check_sequence_fits, chunk_size, seq_split_sizes, shard_window
-from lightning_autosp.passes.placement import Shard, SizeEmitter, is_polynomial_quotient
-from lightning_autosp.passes.sp_rules import lookup, op, sp_rule
+from autosp.layout import check_sequence_fits, chunk_size, seq_split_sizes, shard_window
+from autosp.passes.placement import Shard, SizeEmitter, is_polynomial_quotient
+from autosp.passes.sp_rules import lookup, op, sp_rule
 
 
 def _positions_by_rank(seq_len: int, sp_size: int, offset: int, length: int) -> list[list[int]]:

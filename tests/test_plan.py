@@ -24,12 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _common import PeakRSS, SavedBytes  # noqa: E402
 from sp_harness import spawn  # noqa: E402
 
-from lightning_autosp.backend import AutoSPBackend  # noqa: E402
+from autosp.backend import AutoSPBackend  # noqa: E402
 from lightning_autosp.cli import main as cli  # noqa: E402
-from lightning_autosp.examples.models import Llama, LlamaConfig  # noqa: E402
-from lightning_autosp.memory import model as mm  # noqa: E402
-from lightning_autosp.memory.plan import COMBINATIONS, render  # noqa: E402
-from lightning_autosp.passes.sac import SACConfig  # noqa: E402
+from autosp.models import Llama, LlamaConfig  # noqa: E402
+from autosp.memory import model as mm  # noqa: E402
+from autosp.memory.plan import COMBINATIONS, render  # noqa: E402
+from autosp.passes.sac import SACConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_8B = {  # Llama-3.1-8B's config.json, the fields plan reads

@@ -19,11 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_autosp import AutoSPStrategy
-from lightning_autosp.backend import AutoSPBackend
-from lightning_autosp.passes.accounting import OP_KINDS, node_kind
-from lightning_autosp.examples.models import Llama, LlamaConfig
-from lightning_autosp.passes.joint_graph import forward_nodes, op_name as _op_name
-from lightning_autosp.passes.sac import RECOMPUTABLE_KINDS, SACConfig, SACPartitioner
+from autosp.backend import AutoSPBackend
+from autosp.passes.accounting import OP_KINDS, node_kind
+from autosp.models import Llama, LlamaConfig
+from autosp.passes.joint_graph import forward_nodes, op_name as _op_name
+from autosp.passes.sac import RECOMPUTABLE_KINDS, SACConfig, SACPartitioner
 
 A2A = (torch.ops.autosp.seq_gather.default, torch.ops.autosp.seq_scatter.default)
 
@@ -226,7 +226,7 @@ def test_budget_that_would_recompute_attention_falls_back(caplog):
         return calls[-1]
 
     part = SACPartitioner(SACConfig(recompute=RECOMPUTABLE_KINDS, memory_budget=0.1), solver)
-    with caplog.at_level("WARNING", logger="lightning_autosp.passes.sac"):
+    with caplog.at_level("WARNING", logger="autosp.passes.sac"):
         _compile_once(make_model("llama"), part)
     assert "would recompute attention op(s) ['_scaled_dot_product_flash_attention_for_cpu (" in caplog.text
     assert "using the budget-free partition" in caplog.text
@@ -252,8 +252,8 @@ def _fused_loss_recomputed_worker(rank, world):
     (its tags overridden to MUST_RECOMPUTE, as a solver ignoring MUST_SAVE would): the loss and
     gradients would still be right, computed twice. Returns the compile error, if any, and, as
     the control, whether the unforced partition compiles and trains."""
-    import lightning_autosp.backend as backend_module
-    from lightning_autosp.passes.joint_graph import is_fused_loss
+    import autosp.backend as backend_module
+    from autosp.passes.joint_graph import is_fused_loss
 
     class Forcing(SACPartitioner):
         def _partition(self, gm, joint_inputs, budget, kwargs):
@@ -316,7 +316,7 @@ class _ListHandler(logging.Handler):
 def _sp_worker(rank, world):
     out = {}
     warnings = _ListHandler()
-    logging.getLogger("lightning_autosp.passes.sac").addHandler(warnings)
+    logging.getLogger("autosp.passes.sac").addHandler(warnings)
     for name, cfg in _CONFIGS.items():
         torch._dynamo.reset()
         torch.manual_seed(1234)

@@ -5,7 +5,7 @@ from lightning import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_autosp import AutoSPStrategy, SequenceParallelSampler
-from lightning_autosp.layout import SPLayout, validate_layout
+from autosp.layout import SPLayout, validate_layout
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True])
@@ -115,8 +115,8 @@ def test_sequence_length_from_the_batch():
     """The size most batch tensors share at seq_dim; ties go to integer (token id) tensors."""
     import torch
 
-    from lightning_autosp.errors import AutoSPError
-    from lightning_autosp.steps import _sequence_length
+    from autosp.errors import AutoSPError
+    from autosp.steps import _sequence_length
 
     ids, labels = torch.zeros(2, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long)
     feats = torch.zeros(2, 8)
@@ -134,9 +134,9 @@ def test_sp_ranks_that_compile_different_graphs(caplog):
 
     import torch
 
-    from lightning_autosp.errors import AutoSPError
+    from autosp.errors import AutoSPError
 
-    from lightning_autosp.steps import StepConfig, StepRunner
+    from autosp.steps import StepConfig, StepRunner
 
     strategy = StepRunner(StepConfig(), sp_size=2, sp_rank=0, sp_group=None, device=torch.device("cpu"))
     strategy._check_same_graphs("training_step", [2, 2])

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from mask_models import PLAIN_CAUSAL, DocumentLM, hf_factory, packed_call, padded_call, plain_call
 from sp_harness import VOCAB, TraceStop, trace_rank
 
-from lightning_autosp.passes.sp_rules.attention import LIVE_TILES, TILED_ATTENTION
-from lightning_autosp.passes import sequence_parallel_pass
-from lightning_autosp.tiled_attention import TILE_COUNTS, attend
+from autosp.passes.sp_rules.attention import LIVE_TILES, TILED_ATTENTION
+from autosp.passes import sequence_parallel_pass
+from autosp.ops.tiled_attention import TILE_COUNTS, attend
 
 B, H, HK, S, D = 2, 4, 2, 37, 8
 
@@ -146,7 +146,7 @@ def test_kernel_soft_capping_and_per_head_biases():
              ins("operator", "add", {"r": 9}, {"r": 5}, s=True)]
     bias = -slopes[:, None, None] * (pos[:, None] - pos[None, :]).abs() + torch.where(pos[:, None] >= pos[None, :], 0.0, -math.inf)
     ref = dense(q, k, v, lambda s: torch.tanh(s * 0.35 / 5.0) * 5.0 + bias)
-    from lightning_autosp.tiled_attention import ScoreProgram
+    from autosp.ops.tiled_attention import ScoreProgram
 
     assert ScoreProgram.parse(program(steps, axes)).additive is None  # soft-capping: the interpreted path
     assert ScoreProgram.parse(causal_docs_padding()[0]).additive == (1 / math.sqrt(D), (("keep", {"r": 3}, -math.inf),))
@@ -336,7 +336,7 @@ def test_live_tiles_from_bounds_cover_every_unmasked_tile():
     document (Hugging Face's packed masks) bounds cannot tell tiles across a document boundary
     apart: a few more tiles, never fewer. A program with an op it has no bounds for (``remainder``)
     is probed element by element."""
-    from lightning_autosp.tiled_attention import LIVE_NO_BIAS, ScoreProgram, _interval_live, _probe_block, live_tiles
+    from autosp.ops.tiled_attention import LIVE_NO_BIAS, ScoreProgram, _interval_live, _probe_block, live_tiles
 
     seq, tile = 200, 16
     g = torch.Generator().manual_seed(4)

@@ -14,8 +14,8 @@ from mask_models import ModelZoo, PaddedBothSides, hf_factory, padded_call, plai
 from sp_harness import START_METHOD, FnModule, check_against_references, compare, lm_loss, make_model, reference_fn, run_fit
 
 from lightning_autosp import AutoSPStrategy
-from lightning_autosp.passes.tiled_mlp import tile_token_regions
-from lightning_autosp.tiled_rows import auto_tile_rows
+from autosp.passes.tiled_mlp import tile_token_regions
+from autosp.ops.tiled_rows import auto_tile_rows
 
 
 def example_call(model, batch):
@@ -94,7 +94,7 @@ def test_bf16_norms_are_tiled_too():
     counts); the control recomputes each tile on rows shifted by one."""
     from torch._dynamo.backends.registry import lookup_backend
 
-    from lightning_autosp import tiled_rows
+    from autosp.ops import tiled_rows
 
     ids = torch.randint(0, 64, (2, 23))
 
@@ -181,7 +181,7 @@ def _shifted(region):
 @pytest.mark.slow
 @pytest.mark.skipif(START_METHOD != "fork", reason="the broken recompute is patched in this process: only forked ranks see it")
 def test_a_recompute_on_other_rows_is_caught(tmp_path, monkeypatch):
-    from lightning_autosp import tiled_rows
+    from autosp.ops import tiled_rows
 
     original = tiled_rows.register_region
 
@@ -190,7 +190,7 @@ def test_a_recompute_on_other_rows_is_caught(tmp_path, monkeypatch):
         tiled_rows._REGIONS[key] = _shifted(tiled_rows._REGIONS[key])
         return key
 
-    monkeypatch.setattr("lightning_autosp.passes.tiled_mlp.register_region", register_broken)
+    monkeypatch.setattr("autosp.passes.tiled_mlp.register_region", register_broken)
     factory = lambda: ModelZoo(FAMILIES[2:3])  # noqa: E731
     run = run_fit(tmp_path, FnModule(factory, ModelZoo.loss, log_loss=False), PaddedBothSides(4, 31), devices=2, sp_size=2, tiled_mlp=5)
     loss_err, grad_err = compare(run, 2, *reference_fn(factory, ModelZoo.loss, run, 2))

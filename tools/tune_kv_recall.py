@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 
 from lightning_autosp.examples.causal_lm import WarmupCosine  # noqa: E402
 from lightning_autosp.examples.kv_recall import KVRecallDataset  # noqa: E402
-from lightning_autosp.examples.models import build_model  # noqa: E402
+from autosp.models import build_model  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

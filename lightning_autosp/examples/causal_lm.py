@@ -23,7 +23,7 @@ from torch import Tensor
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_autosp.examples.kv_recall import IGNORE_INDEX, KVRecallDataModule
-from lightning_autosp.examples.models import build_model
+from autosp.models import build_model
 
 __all__ = ["CausalLMModule", "WarmupCosine"]
 

@@ -1,0 +1,265 @@
+"""Differentiable sequence-parallel collectives as ``torch.library`` custom ops.
+
+Each op takes the process group *by name* (``group.group_name``) and its size as plain
+arguments, so graphs that call them can be built and traced (fake kernels) with no process
+group at all, and the FX graph cache keys stay free of Python objects.
+
+Backward of every op is its exact adjoint, which is what makes the SP rewrite produce the
+same gradients as one device (see ``docs/design.md``):
+
+====================  ==========================  ===============================
+op                    forward                     backward
+====================  ==========================  ===============================
+``seq_gather``        ``[P, .., S_r, ..]`` ->     ``seq_scatter``
+                      ``[.., S, ..]``
+``seq_scatter``       ``[.., S, ..]`` ->          ``seq_gather``
+                      ``[P, .., S_r, ..]``
+``all_reduce``        sum over the group          ``all_reduce`` (sum)
+``group_ratio``       ``sum(num) / sum(den)``     ``group_ratio_backward``: both
+                      over the group              partials, summed over the group
+``all_gather``        concat along ``dim``        ``reduce_scatter`` along ``dim``
+``reduce_scatter``    sum then split ``dim``      ``all_gather`` along ``dim``
+====================  ==========================  ===============================
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from autosp._compat import all_gather_single, reduce_scatter_single
+from autosp.layout import seq_split_sizes
+
+__all__ = ["seq_gather", "seq_scatter", "all_reduce", "group_ratio", "group_ratio_backward", "all_gather", "reduce_scatter"]
+
+_NS = "autosp"
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    return _resolve_process_group(group_name)
+
+
+# --------------------------------------------------------------------------- seq_gather / seq_scatter
+@torch.library.custom_op(f"{_NS}::seq_gather", mutates_args=())
+def seq_gather(send: torch.Tensor, seq_dim: int, group_name: str, seq_len: int, rank: int) -> torch.Tensor:
+    """``send`` is ``[P, *piece]``: ``send[j]`` (this rank's tokens, head group ``j``) goes to
+    rank ``j``. The result is the pieces received (rank ``j``'s tokens, this rank's head group)
+    joined along ``seq_dim`` of the piece: ``seq_len`` tokens, split over the ranks as
+    :func:`~autosp.layout.seq_split_sizes` says. ``rank`` is this rank's index in the group.
+
+    With :func:`seq_scatter` (its adjoint) it is Ulysses' all-to-all with the even side as
+    ordinary tensor ops: the SP pass lays out ``send`` (and :func:`seq_scatter`'s result) with
+    ``unflatten``/``permute``/``flatten``, which the compiler fuses into neighbouring kernels.
+    When no dim of the piece before ``seq_dim`` is larger than 1 (the pass puts the sequence
+    outside the heads, so this holds for batch size 1), the pieces received already lie end to
+    end and the result is the receive buffer itself.
+    """
+    group_size = send.shape[0]
+    sizes = seq_split_sizes(seq_len, group_size)
+    send = send.contiguous()
+    shapes = []
+    for n in sizes:
+        shape = list(send.shape[1:])
+        shape[seq_dim] = n
+        shapes.append(shape)
+    recv_counts = [math.prod(shape) for shape in shapes]
+    recv = send.new_empty(sum(recv_counts))
+    dist.all_to_all_single(
+        recv, send.view(-1), output_split_sizes=recv_counts, input_split_sizes=[send[0].numel()] * group_size,
+        group=_group(group_name),
+    )
+    if math.prod(send.shape[1 : 1 + seq_dim]) == 1:  # the sequence is the outermost dim: the pieces lie end to end
+        out_shape = list(shapes[0])
+        out_shape[seq_dim] = seq_len
+        return recv.view(out_shape)
+    return torch.cat([r.view(shape) for r, shape in zip(recv.split(recv_counts), shapes)], dim=seq_dim)
+
+
+@seq_gather.register_fake
+def _(send, seq_dim, group_name, seq_len, rank):
+    shape = list(send.shape[1:])
+    shape[seq_dim] = seq_len
+    return send.new_empty(shape)
+
+
+@torch.library.custom_op(f"{_NS}::seq_scatter", mutates_args=())
+def seq_scatter(x: torch.Tensor, seq_dim: int, group_name: str, group_size: int, seq_len: int, rank: int) -> torch.Tensor:
+    """The adjoint of :func:`seq_gather`: ``x`` holds all ``seq_len`` tokens (along ``seq_dim``)
+    of this rank's head group; rank ``j``'s tokens go to rank ``j``. The result is ``[P, *piece]``:
+    ``result[j]`` is this rank's tokens of rank ``j``'s head group. A contiguous ``x`` with no
+    dim before ``seq_dim`` larger than 1 is sent as it is; otherwise its pieces are copied into
+    the send buffer."""
+    sizes = seq_split_sizes(seq_len, group_size)
+    parts = x.split(sizes, dim=seq_dim)
+    send_counts = [p.numel() for p in parts]
+    if math.prod(x.shape[:seq_dim]) == 1 and x.is_contiguous():  # the pieces lie end to end: send x as it is
+        send = x.view(-1)
+    else:
+        send = x.new_empty(sum(send_counts))
+        for p, buf in zip(parts, send.split(send_counts)):  # one copy into the send buffer
+            buf.view(p.shape).copy_(p)
+    recv = x.new_empty((group_size, *parts[rank].shape))
+    dist.all_to_all_single(
+        recv.view(-1), send, output_split_sizes=[recv[0].numel()] * group_size, input_split_sizes=send_counts,
+        group=_group(group_name),
+    )
+    return recv
+
+
+@seq_scatter.register_fake
+def _(x, seq_dim, group_name, group_size, seq_len, rank):
+    shape = list(x.shape)
+    shape[seq_dim] = seq_split_sizes(seq_len, group_size)[rank]
+    return x.new_empty((group_size, *shape))
+
+
+def _seq_gather_backward(ctx, grad):
+    return seq_scatter(grad, ctx.seq_dim, ctx.group_name, ctx.group_size, ctx.seq_len, ctx.rank), None, None, None, None
+
+
+def _seq_gather_setup(ctx, inputs, output):
+    send, ctx.seq_dim, ctx.group_name, ctx.seq_len, ctx.rank = inputs
+    ctx.group_size = send.shape[0]
+
+
+def _seq_scatter_backward(ctx, grad):
+    return seq_gather(grad, ctx.seq_dim, ctx.group_name, ctx.seq_len, ctx.rank), None, None, None, None, None
+
+
+def _seq_scatter_setup(ctx, inputs, output):
+    _, ctx.seq_dim, ctx.group_name, _, ctx.seq_len, ctx.rank = inputs
+
+
+seq_gather.register_autograd(_seq_gather_backward, setup_context=_seq_gather_setup)
+seq_scatter.register_autograd(_seq_scatter_backward, setup_context=_seq_scatter_setup)
+
+
+# --------------------------------------------------------------------------- all_reduce
+@torch.library.custom_op(f"{_NS}::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    """Sum ``x`` over the group; every rank gets the total."""
+    out = x.contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_group(group_name))
+    return out
+
+
+@all_reduce.register_fake
+def _(x, group_name, group_size):
+    return torch.empty_like(x)
+
+
+def _all_reduce_backward(ctx, grad):
+    return all_reduce(grad, ctx.group_name, ctx.group_size), None, None
+
+
+def _all_reduce_setup(ctx, inputs, output):
+    _, ctx.group_name, ctx.group_size = inputs
+
+
+all_reduce.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
+
+
+# --------------------------------------------------------------------------- group_ratio
+@torch.library.custom_op(f"{_NS}::group_ratio", mutates_args=())
+def group_ratio(num: torch.Tensor, den: torch.Tensor, group_name: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N / D, [N, D])`` with ``N``, ``D`` the sums of the scalars ``num`` and ``den`` (same
+    dtype) over the group: a token-weighted mean over the sequence shards, with one all-reduce.
+
+    What it computes is ``all_reduce(stack([num, den]))`` and a division - graph ops would do
+    the same - but as one op it leaves the compiler no small kernels to generate and compile
+    around the collective (in both directions). ``[N, D]`` is what backward reads."""
+    both = torch.stack([num, den])
+    dist.all_reduce(both, op=dist.ReduceOp.SUM, group=_group(group_name))
+    return both[0] / both[1], both
+
+
+@group_ratio.register_fake
+def _(num, den, group_name, group_size):
+    return num.new_empty(()), num.new_empty((2,))
+
+
+def _group_ratio_setup(ctx, inputs, output):
+    _, _, ctx.group_name, ctx.group_size = inputs
+    ctx.save_for_backward(output[1])
+
+
+@torch.library.custom_op(f"{_NS}::group_ratio_backward", mutates_args=())
+def group_ratio_backward(grad: torch.Tensor, both: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    """The gradients ``[d num, d den]`` of :func:`group_ratio`, given ``grad`` of ``N / D`` and
+    ``both = [N, D]``: ``1/D`` and ``-N/D^2`` (as autograd differentiates a division) times
+    ``grad``, each summed over the group like the gradient of an all-reduce. One op, so that
+    the compiler generates no kernel for it either."""
+    total, count = both[0], both[1]
+    grads = torch.stack([grad / count, -grad * (total / count) / count])
+    dist.all_reduce(grads, op=dist.ReduceOp.SUM, group=_group(group_name))
+    return grads
+
+
+@group_ratio_backward.register_fake
+def _(grad, both, group_name, group_size):
+    return both.new_empty((2,))
+
+
+def _group_ratio_backward(ctx, grad, _grad_both):
+    (both,) = ctx.saved_tensors
+    grads = group_ratio_backward(grad, both, ctx.group_name, ctx.group_size)
+    return grads[0], grads[1], None, None
+
+
+group_ratio.register_autograd(_group_ratio_backward, setup_context=_group_ratio_setup)
+
+
+# --------------------------------------------------------------------------- all_gather
+@torch.library.custom_op(f"{_NS}::all_gather", mutates_args=())
+def all_gather(x: torch.Tensor, dim: int, group_name: str, group_size: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in rank order."""
+    moved = x.movedim(dim, 0).contiguous()  # [n, ...]
+    gathered = moved.new_empty((group_size * moved.shape[0],) + tuple(moved.shape[1:]))  # [P*n, ...]
+    all_gather_single(gathered, moved, group=_group(group_name))
+    return gathered.movedim(0, dim).contiguous()
+
+
+@all_gather.register_fake
+def _(x, dim, group_name, group_size):
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * group_size
+    return x.new_empty(shape)
+
+
+def _all_gather_backward(ctx, grad):
+    return reduce_scatter(grad.contiguous(), ctx.dim, ctx.group_name, ctx.group_size), None, None, None
+
+
+def _all_gather_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.group_name, ctx.group_size = inputs
+
+
+# --------------------------------------------------------------------------- reduce_scatter
+@torch.library.custom_op(f"{_NS}::reduce_scatter", mutates_args=())
+def reduce_scatter(x: torch.Tensor, dim: int, group_name: str, group_size: int) -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's chunk along ``dim``."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // group_size,) + tuple(moved.shape[1:]))
+    reduce_scatter_single(out, moved, op=dist.ReduceOp.SUM, group=_group(group_name))
+    return out.movedim(0, dim).contiguous()
+
+
+@reduce_scatter.register_fake
+def _(x, dim, group_name, group_size):
+    shape = list(x.shape)
+    shape[dim] = shape[dim] // group_size
+    return x.new_empty(shape)
+
+
+def _reduce_scatter_backward(ctx, grad):
+    return all_gather(grad.contiguous(), ctx.dim, ctx.group_name, ctx.group_size), None, None, None
+
+
+def _reduce_scatter_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.group_name, ctx.group_size = inputs
+
+
+all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
+reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_reduce_scatter_setup)

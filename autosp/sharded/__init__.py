@@ -1,0 +1,2 @@
+"""The sharded mode (``fsdp=True`` / ``"hybrid"``): parameters, gradients and optimizer state as
+DTensor shards."""

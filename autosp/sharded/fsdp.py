@@ -1,0 +1,409 @@
+"""Sharded data parallelism for ``AutoSPStrategy(fsdp=...)``: every parameter a
+:class:`~torch.distributed.tensor.DTensor` sharded over a device mesh, gathered inside the
+compiled step (ZeRO-3 semantics, as torchtitan's SimpleFSDP does it).
+
+What user code sees is what it sees on one device, because the parameters *are* the model's
+parameters, only distributed: ``named_parameters()`` gives the model's own names, each
+parameter has its global shape and ``dim()``, its ``.grad`` is a DTensor of the same shape, and
+elementwise optimizer state (SGD momentum, Adam's moments) follows as DTensors. Norms of
+DTensors are whole-model values, so ``torch.nn.utils.clip_grad_norm_`` (what Lightning's
+``gradient_clip_val`` calls) clips by the norm of the whole model, and torch's distributed
+checkpoint (DCP) saves and reshards them.
+
+Each parameter is held as ``Shard(0)`` on the mesh (``Replicate()`` for a 0-d one): rows in
+rank order, the last ranks holding fewer when the rows do not divide. With ``"hybrid"`` the
+mesh has two dims, ``("replicate", "shard")``: shards within a node, replicas across nodes.
+
+A module that holds parameters gets a subclass of its own class (``Sharded<Name>``) whose
+parameter names are properties: reading ``linear.weight`` in a forward (compiled, or eager:
+forward hooks on every module of the tree count the forwards running) returns the full weight,
+and anywhere else the parameter itself. The full weight is the parameter ``redistribute``-d to
+``Replicate`` (an all-gather, in ``param_dtype`` if set) and taken ``to_local`` with
+``Partial("avg")`` gradients, so autograd derives a reduce-scatter (in ``reduce_dtype``) that
+leaves each rank the world-average gradient of its shard, as DDP averages. Under ``torch.compile`` these are ordinary graph nodes: the SP pass leaves them alone
+(no sequence dim), SAC gathers them again in backward instead of saving full weights, and
+:mod:`autosp.passes.bucketing` groups them per transformer block. ``state_dict()``
+reads the parameters themselves (DTensors, under the model's own keys); nothing is gathered.
+
+Tied parameters (one ``Parameter`` held by several modules, such as an output head tied to the
+token embedding) stay one DTensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autosp.errors import AutoSPError
+
+__all__ = [
+    "FSDP_MODES",
+    "ShardingPolicy",
+    "shard_parameters",
+    "shard_module",
+    "unshard_module",
+    "is_sharded",
+    "full_state_dict",
+    "broadcast_module",
+    "sharded_parameter_bytes",
+    "local_tensor",
+    "whole",
+    "grad_norm",
+]
+
+log = logging.getLogger(__name__)
+
+#: ``fsdp="full"`` (or ``True``): shard over every rank; ``"hybrid"``: shard within a node,
+#: replicate across nodes
+FSDP_MODES = ("full", "hybrid")
+
+
+@dataclass(frozen=True)
+class ShardingPolicy:
+    """How parameters are sharded and gathered.
+
+    Attributes:
+        mesh: a 1-D mesh (shard over all of it) or a 2-D ``(replicate, shard)`` mesh (HSDP).
+        param_dtype: the dtype parameters are all-gathered and computed in (``None``: their own);
+            only floating-point parameters are cast.
+        reduce_dtype: the dtype gradients are reduce-scattered in (``None``: the gradient's own).
+    """
+
+    mesh: Any  # DeviceMesh
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+
+    def placements(self, param: torch.Tensor) -> tuple:
+        from torch.distributed.tensor import Replicate, Shard
+
+        sharded = Shard(0) if param.dim() > 0 else Replicate()
+        return (Replicate(), sharded) if self.mesh.ndim == 2 else (sharded,)
+
+
+class _Gather:
+    """``param -> full local tensor`` for the properties of a sharded module: all-gather in
+    ``param_dtype``, gradients reduce-scattered (and averaged) in ``reduce_dtype``."""
+
+    def __init__(self, policy: ShardingPolicy):
+        from torch.distributed.tensor import Partial, Replicate
+
+        self.policy = policy
+        self.replicate = (Replicate(),) * policy.mesh.ndim
+        self.grad_placements = (Partial("avg"),) * policy.mesh.ndim
+
+    def __call__(self, param: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(param, DTensor):  # assigned a plain tensor after sharding
+            return param
+        forward = backward = None
+        if param.is_floating_point() and self.policy.param_dtype not in (None, param.dtype):
+            forward, backward = self.policy.param_dtype, self.policy.reduce_dtype or param.dtype
+        elif param.is_floating_point() and self.policy.reduce_dtype not in (None, param.dtype):
+            backward = self.policy.reduce_dtype
+        full = param.redistribute(placements=self.replicate, forward_dtype=forward, backward_dtype=backward)
+        return full.to_local(grad_placements=self.grad_placements)
+
+
+#: (original class, parameter names) -> the subclass with a property per parameter name
+_SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+#: forwards of sharded modules running eagerly now (nested calls count each)
+_eager_forwards = 0
+
+
+def _read_parameter(module: nn.Module, name: str) -> torch.Tensor:
+    """What ``module.<name>`` gives: inside a forward (compiled, or eager through the hooks of
+    :func:`shard_module`) the gathered full tensor, elsewhere the parameter itself - a DTensor
+    whose ``.grad``, ``.data`` and ties are those user code expects of a parameter."""
+    param = module._parameters[name]
+    if _eager_forwards or torch.compiler.is_compiling():
+        return module._autosp_gather(param)
+    return param
+
+
+def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
+    key = (cls, names)
+    if key not in _SHARDED_CLASSES:
+        props: dict[str, Any] = {name: property(lambda self, name=name: _read_parameter(self, name)) for name in names}
+        props["_autosp_original_class"] = cls
+        _SHARDED_CLASSES[key] = type(f"Sharded{cls.__name__}", (cls,), props)
+    return _SHARDED_CLASSES[key]
+
+
+def _enter_forward(module: nn.Module, args: Any) -> None:
+    global _eager_forwards
+    if not torch.compiler.is_compiling():
+        _eager_forwards += 1
+
+
+def _leave_forward(module: nn.Module, args: Any, output: Any) -> None:
+    global _eager_forwards
+    if not torch.compiler.is_compiling():
+        _eager_forwards -= 1
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (``t`` itself unless it is a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole(value: Any) -> Any:
+    """``value`` with every DTensor in it (a tensor, or the values of a dict) replaced by its whole
+    value, the same on every rank (a collective where it is sharded or partial). A DTensor's
+    ``.item()`` gives this rank's part: a norm of a sharded gradient is ``Partial``, its local
+    value one rank's share of the sum of squares."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, dict):
+        return {k: whole(v) for k, v in value.items()}
+    return value
+
+
+def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, torch.Tensor]:
+    """Lightning's :func:`lightning.pytorch.utilities.grad_norm` for modules whose gradients may
+    be DTensors (``AutoSPStrategy(fsdp=...)``): the same keys (``grad_2.0_norm/<name>`` and
+    ``grad_2.0_norm_total``) with whole-model values on every rank, as on one device. Lightning's
+    own builds ``torch.tensor`` from the per-parameter norms, which DTensors cannot pass. A
+    collective with DTensor gradients: call it on every rank."""
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+    norms = {
+        f"grad_{norm_type}_norm{group_separator}{name}": whole(p.grad.detach().norm(norm_type))
+        for name, p in module.named_parameters()
+        if p.grad is not None
+    }
+    if norms:
+        norms[f"grad_{norm_type}_norm_total"] = torch.stack(list(norms.values())).norm(norm_type)
+    return norms
+
+
+def _local_rows(rows: int, policy: ShardingPolicy) -> tuple[int, int]:
+    """``(start, stop)``: the rows of a ``Shard(0)`` tensor of ``rows`` rows this rank holds
+    (``torch.chunk``'s split: ``ceil(rows / n)`` each in mesh order, the last ones fewer)."""
+    n = policy.mesh.size(policy.mesh.ndim - 1)
+    coordinate = policy.mesh.get_coordinate()[-1]
+    chunk = -(-rows // n)
+    start = min(coordinate * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def _shard(param: torch.Tensor, policy: ShardingPolicy, device: Optional[torch.device]) -> torch.Tensor:
+    """This rank's shard of ``param`` as a DTensor with storage of its own; a ``meta`` parameter
+    becomes an unfilled (NaN) shard on ``device``, for its values to be read in."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    placements = policy.placements(param)
+    if not param.is_meta:
+        with torch.no_grad():
+            dt = distribute_tensor(param.detach(), policy.mesh, placements, src_data_rank=None)
+            return DTensor.from_local(dt.to_local().clone(), policy.mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride())
+    shape = param.shape
+    if param.dim() > 0:
+        start, stop = _local_rows(shape[0], policy)
+        shape = torch.Size([stop - start, *shape[1:]])
+    local = torch.full(shape, float("nan"), dtype=param.dtype, device=device) if param.is_floating_point() else torch.empty(shape, dtype=param.dtype, device=device)
+    return DTensor.from_local(local, policy.mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
+
+
+def shard_parameters(
+    module: nn.Module,
+    policy: ShardingPolicy,
+    done: Optional[dict[int, nn.Parameter]] = None,
+    keep: frozenset[int] = frozenset(),
+    device: Optional[torch.device] = None,
+) -> int:
+    """Make the parameters of ``module`` DTensors sharded by ``policy`` and each module's class a
+    ``Sharded<Name>`` subclass (in place); return how many were sharded. ``done`` maps the id of
+    each parameter sharded to its DTensor, so that a parameter held by several modules stays one;
+    parameters whose id is in ``keep`` are left for a later call, and parameters an earlier call
+    sharded are left as they are.
+    ``meta`` parameters become unfilled shards on ``device``. All ranks must hold the same values
+    (the strategy broadcasts rank 0's first); each keeps a copy of its shard, so the full tensor
+    can be freed."""
+    from torch.distributed.tensor import DTensor
+
+    done = {} if done is None else done
+    gather = _Gather(policy)
+    count = 0
+    for mod in list(module.modules()):
+        names = tuple(n for n, p in mod._parameters.items() if p is not None)
+        if not names:
+            continue
+        for name in names:
+            p = mod._parameters[name]
+            if id(p) in keep or getattr(p, "_autosp_shard", False):
+                continue
+            if id(p) not in done:
+                if isinstance(p, DTensor):
+                    raise AutoSPError(
+                        f"{type(mod).__name__}.{name} is a DTensor already (placements {p.placements}): AutoSP's fsdp "
+                        "shards plain parameters. Build the model without applying another parallelism to it."
+                    )
+                done[id(p)] = nn.Parameter(_shard(p, policy, device), requires_grad=p.requires_grad)
+                done[id(p)]._autosp_shard = True  # ours: a later call leaves it alone
+                count += 1
+            mod._parameters[name] = done[id(p)]
+        if not hasattr(type(mod), "_autosp_original_class"):
+            object.__setattr__(mod, "_autosp_gather", gather)
+            mod.__class__ = _sharded_class(type(mod), names)
+    return count
+
+
+def shard_module(module: nn.Module, policy: ShardingPolicy) -> int:
+    """Make every parameter of ``module`` a DTensor sharded by ``policy`` (in place,
+    :func:`shard_parameters`; parts sharded before stay as they are) and count the forwards
+    running in it, so that its modules read gathered weights there; return how many parameters
+    this call sharded."""
+    count = shard_parameters(module, policy)
+    handles = []
+    for mod in module.modules():  # a forward reads its own and its children's parameters
+        handles.append(mod.register_forward_pre_hook(_enter_forward))
+        handles.append(mod.register_forward_hook(_leave_forward, always_call=True))
+    object.__setattr__(module, "_autosp_forward_hooks", handles)
+    log.debug("AutoSP: sharded %d parameters over %s", count, policy.mesh)
+    return count
+
+
+def unshard_module(module: nn.Module) -> int:
+    """Undo :func:`shard_module` (in place): every parameter a full plain tensor again on every
+    rank, tied ones still tied, each module of its own class again; return how many. A
+    collective: call it on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    for handle in module.__dict__.pop("_autosp_forward_hooks", ()):
+        handle.remove()
+    done: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        original = getattr(type(mod), "_autosp_original_class", None)
+        if original is None:
+            continue
+        for name, p in list(mod._parameters.items()):
+            if isinstance(p, DTensor):
+                if id(p) not in done:
+                    done[id(p)] = nn.Parameter(p.detach().full_tensor(), requires_grad=p.requires_grad)
+                mod._parameters[name] = done[id(p)]
+        mod.__class__ = original
+        del mod._autosp_gather
+    return len(done)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return any(hasattr(type(m), "_autosp_original_class") for m in module.modules())
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every DTensor gathered whole, on every rank (a collective).
+    Meant for small models and tests: every rank holds the whole model while it runs."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+
+
+def broadcast_module(module: nn.Module, src: int = 0) -> None:
+    """Give every rank ``src``'s parameters and buffers (in place); shards stay as they are."""
+    with torch.no_grad():
+        for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
+            if not getattr(t, "_autosp_shard", False):
+                dist.broadcast(t, src=src)
+
+
+def sharded_parameter_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+    """Bytes this rank holds for parameters, their gradients and the optimizer state (its local
+    shards, read from the storages, each counted once)."""
+    seen: set[int] = set()
+
+    def nbytes(tensors: Iterable[Any]) -> int:
+        total = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                storage = local_tensor(t).untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+        return total
+
+    params = list(module.parameters())
+    out = {"parameters": nbytes(params), "gradients": nbytes(p.grad for p in params if p.grad is not None)}
+    if optimizer is not None:
+        out["optimizer"] = nbytes(v for state in optimizer.state.values() for v in state.values())
+    return out
+
+
+_PRECISION_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+#: DDPStrategy arguments that only configure the DDP wrapper, which the sharded mode does not use
+DDP_ONLY_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+
+
+def _dtype(value: Any, name: str) -> Optional[torch.dtype]:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"AutoSPStrategy({name}={value!r}): pass a floating-point torch dtype or its name ('bfloat16', 'float32', ...), or None.")
+    return dtype
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """The sharded mode's arguments, checked (``AutoSPStrategy(fsdp=..., param_dtype=...,
+    reduce_dtype=...)``).
+
+    ``mode`` is ``"full"`` (shard over every rank of the ``dp x sp`` world) or ``"hybrid"``
+    (shard over the ranks of a node, replicate across nodes: parameters are gathered over
+    intra-node links only). ``param_dtype=None`` follows the Trainer's precision: ``bf16-mixed``
+    gathers in bfloat16, ``16-mixed`` in float16, anything else in the parameters' own dtype.
+    ``reduce_dtype=None`` reduces gradients in float32 where parameters are gathered in a lower
+    precision.
+    """
+
+    mode: str
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+
+    @classmethod
+    def from_arguments(cls, fsdp: Any, param_dtype: Any = None, reduce_dtype: Any = None) -> Optional["FSDPConfig"]:
+        """``None`` for the replicated mode (``fsdp=False``); a ``ValueError`` naming the argument
+        for anything else that is not a mode."""
+        if fsdp is False or fsdp is None:
+            if param_dtype is not None or reduce_dtype is not None:
+                raise ValueError(
+                    "AutoSPStrategy(param_dtype=..., reduce_dtype=...) set the sharded mode's gather and reduce dtypes; "
+                    "with fsdp=False parameters are replicas (no gathers). Pass fsdp=True, or leave them unset and "
+                    "use the Trainer's precision."
+                )
+            return None
+        mode = "full" if fsdp is True else fsdp
+        if mode not in FSDP_MODES:
+            raise ValueError(
+                f"AutoSPStrategy(fsdp={fsdp!r}): pass True or 'full' (shard over every rank), 'hybrid' (shard within "
+                "a node, replicate across nodes) or False (a replica per rank)."
+            )
+        return cls(mode, _dtype(param_dtype, "param_dtype"), _dtype(reduce_dtype, "reduce_dtype"))
+
+    def policy(self, mesh: Any, precision: str) -> ShardingPolicy:
+        param_dtype = self.param_dtype if self.param_dtype is not None else _PRECISION_PARAM_DTYPES.get(str(precision))
+        reduce_dtype = self.reduce_dtype
+        if reduce_dtype is None and param_dtype is not None and param_dtype != torch.float32:
+            reduce_dtype = torch.float32
+        return ShardingPolicy(mesh, param_dtype, reduce_dtype)
+
+    def shard_groups(self, world_size: int, devices_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
+        """``(replicate groups, shard groups)`` of the ranks: with ``"hybrid"`` a shard group is a
+        node's ranks and a replicate group the ranks with one local rank; otherwise one shard
+        group of every rank (and a replicate group per rank)."""
+        per = devices_per_node if self.mode == "hybrid" else world_size
+        nodes = world_size // per
+        shard = [list(range(n * per, (n + 1) * per)) for n in range(nodes)]
+        replicate = [list(range(j, world_size, per)) for j in range(per)]
+        return replicate, shard
