@@ -15,7 +15,13 @@ _compat.check_torch(torch.__version__)
 
 from autosp.errors import AutoSPError  # noqa: E402
 from autosp.layout import SPLayout  # noqa: E402
+from autosp.mesh import sp_mesh  # noqa: E402
+from autosp.modes import FSDPConfig, Mode, Replicated, Sharded, make_mode  # noqa: E402
 from autosp.sampler import SequenceParallelSampler  # noqa: E402
+from autosp.steps import StepConfig, StepRunner  # noqa: E402
 
-__all__ = ["AutoSPError", "SPLayout", "SequenceParallelSampler"]
+__all__ = [
+    "AutoSPError", "SPLayout", "sp_mesh", "SequenceParallelSampler", "StepConfig", "StepRunner",
+    "FSDPConfig", "Mode", "Replicated", "Sharded", "make_mode",
+]
 __version__ = "0.1.0"

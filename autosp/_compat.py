@@ -49,7 +49,7 @@ def check_torch(torch_version: str) -> None:
     """Raise ``ImportError`` if ``torch_version`` is outside :data:`TORCH_RANGE`."""
     if not TORCH_RANGE.contains(torch_version):
         raise ImportError(
-            f"autosp: torch {torch_version} is installed, but lightning-autosp supports {TORCH_RANGE.requirement}. "
+            f"lightning-autosp: torch {torch_version} is installed, but lightning-autosp supports {TORCH_RANGE.requirement}. "
             f"Install a supported version (pip install '{TORCH_RANGE.requirement}'); docs/testing.md in the "
             "repository lists every version run."
         )

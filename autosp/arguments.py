@@ -2,7 +2,7 @@
 
 :func:`check_arguments` turns ``AutoSPStrategy(...)``'s compile, SAC, sequence and sharding
 arguments into a :class:`~autosp.steps.StepConfig` and an optional
-:class:`~autosp.sharded.fsdp.FSDPConfig`, or raises a ``ValueError`` naming the argument and
+:class:`~autosp.modes.sharded.config.FSDPConfig`, or raises a ``ValueError`` naming the argument and
 the fix. Nothing is lost on a bad value: it is raised before anything is built.
 """
 
@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from autosp.backend import AOT_BACKENDS, SUPPORTED_BACKENDS
-from autosp.sharded.fsdp import FSDPConfig
+from autosp.modes.sharded.config import FSDPConfig
 from autosp.layout import validate_sp_size
 from autosp.passes.offload import OffloadConfig, parse_bytes
 from autosp.passes.sac import SACConfig

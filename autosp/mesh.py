@@ -4,25 +4,26 @@
 ``device_mesh``, ...), as a mixin over their ranks.
 
 :func:`sp_mesh` builds the ``("dp", "sp")`` mesh of an :class:`~autosp.layout.SPLayout`:
-SP groups of ``sp_size`` contiguous ranks, DP groups across them. :func:`shard_mesh` builds the
-mesh the sharded mode holds parameters on. Every rank must call them, in the same order.
+SP groups of ``sp_size`` contiguous ranks, DP groups across them. Every rank must call it, in
+the same order.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
-from autosp.sharded.fsdp import FSDPConfig
 from autosp.layout import SPLayout, validate_layout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["sp_mesh", "shard_mesh", "SPGrid"]
+    from autosp.modes import Mode
+
+__all__ = ["sp_mesh", "SPGrid"]
 
 
 def sp_mesh(layout: SPLayout, device_type: str, timeout: Optional[timedelta] = None) -> "DeviceMesh":
@@ -37,24 +38,6 @@ def sp_mesh(layout: SPLayout, device_type: str, timeout: Optional[timedelta] = N
         device_type,
         mesh=torch.arange(layout.world_size).view(layout.dp_size, layout.sp_size),  # [dp, sp]
         mesh_dim_names=("dp", "sp"),
-    )
-
-
-def shard_mesh(config: FSDPConfig, world_size: int, devices_per_node: int, device_type: str, timeout: Optional[timedelta] = None) -> "DeviceMesh":
-    """The mesh the sharded mode holds parameters on: the world (``"full"``, dim ``"shard"``) or
-    ``(replicate, shard)`` = ``(nodes, ranks per node)`` (``"hybrid"``)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    replicate, shard = config.shard_groups(world_size, devices_per_node)
-    if config.mode == "full":
-        return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("shard",))
-    shard_group, _ = dist.new_subgroups_by_enumeration(shard, timeout=timeout)
-    replicate_group, _ = dist.new_subgroups_by_enumeration(replicate, timeout=timeout)
-    return DeviceMesh.from_group(
-        [replicate_group, shard_group],
-        device_type,
-        mesh=torch.tensor(shard),  # [nodes, ranks per node]
-        mesh_dim_names=("replicate", "shard"),
     )
 
 
@@ -115,13 +98,11 @@ class SPGrid:
     def _validated_layout(self) -> SPLayout:
         return validate_layout(self.sp_size, self.num_nodes * self.num_processes, self.num_processes)
 
-    def _build_grid(self, device_type: str, timeout: Optional[timedelta], sharded: Any) -> SPLayout:
-        """The ``[dp, sp]`` mesh (and the sharded mode's, if ``sharded`` is a
-        :class:`~autosp.sharded.mode.ShardedMode`); a collective: every rank."""
+    def _build_grid(self, device_type: str, timeout: Optional[timedelta], mode: "Mode") -> SPLayout:
+        """The ``[dp, sp]`` mesh, then what ``mode`` holds parameters on; a collective: every rank."""
         layout = self._validated_layout()
         self._device_mesh = sp_mesh(layout, device_type, timeout)
-        if sharded is not None:
-            sharded.setup_mesh(layout.world_size, self.num_processes, device_type, timeout)
+        mode.build_mesh(layout, self.num_processes, device_type, timeout)
         return layout
 
     def _grid_summary(self, layout: SPLayout) -> str:

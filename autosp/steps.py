@@ -104,6 +104,17 @@ class StepRunner:
         step.__wrapped__ = fn  # type: ignore[attr-defined]
         return step
 
+    def compile_step(self, name: str, fn: Callable) -> Callable:
+        """``fn`` compiled (:meth:`compile`) and run with the checks (:meth:`run`), its arguments
+        taken as the batch: ``loss = step(model, batch)`` in a loop of one's own."""
+        compiled = self.compile(name, fn)
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return self.run(name, name, compiled, (args, kwargs), *args, **kwargs)
+
+        step.__wrapped__ = fn  # type: ignore[attr-defined]
+        return step
+
     @staticmethod
     def empty_view() -> Mapping[str, CompiledStep]:
         """What :attr:`compiled_steps` reads before anything is compiled."""

@@ -192,13 +192,13 @@ class SavedBytes:
     storage once, leaving out ``exclude`` (parameters and inputs)."""
 
     def __init__(self, exclude: list[torch.Tensor]) -> None:
-        from autosp.sharded.fsdp import local_tensor  # (a sharded parameter's storage is its shard's)
+        from autosp.modes.sharded.values import local_tensor  # (a sharded parameter's storage is its shard's)
 
         self.exclude = {local_tensor(t).untyped_storage().data_ptr() for t in exclude}
         self.kept: dict[int, int] = {}
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        from autosp.sharded.fsdp import local_tensor
+        from autosp.modes.sharded.values import local_tensor
 
         storage = local_tensor(t).untyped_storage()
         if storage.data_ptr() not in self.exclude:

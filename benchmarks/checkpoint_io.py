@@ -9,7 +9,7 @@ and vocabulary are kept smaller so that ``--nprocs`` replicas and their AdamW st
 machine; the per-parameter costs scale with the parameter count. What each mode runs is what
 ``AutoSPStrategy`` runs: ``torch.save`` of Lightning's checkpoint dict on rank 0 and
 ``load_state_dict`` on every rank, or ``autosp.checkpoint.save_distributed`` and
-``load_distributed`` (DCP, with the DTensor parameters of ``autosp.sharded.fsdp.shard_module``). Times are the median of ``--reps`` rounds,
+``load_distributed`` (DCP, with the DTensor parameters of ``autosp.modes.sharded.params.shard_module``). Times are the median of ``--reps`` rounds,
 each from a barrier to a barrier (the slowest rank); the page cache is warm after the first
 round, as on a node that reads back what it wrote.
 
@@ -34,7 +34,8 @@ from _common import arguments, finish, init_worker, launch, llama_config, median
 
 from autosp.checkpoint import META_FILE, load_distributed, save_distributed
 from autosp.models import Llama
-from autosp.sharded.fsdp import ShardingPolicy, shard_module
+from autosp.modes.sharded.config import ShardingPolicy
+from autosp.modes.sharded.params import shard_module
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -41,9 +41,12 @@ from _common import MiB, PeakRSS, arguments, finish, llama_config, parser, run_d
 
 from autosp.backend import AutoSPBackend
 from autosp.models import Llama, LlamaConfig
-from autosp.sharded.fsdp import ShardingPolicy, local_tensor, shard_module
+from autosp.modes.sharded.config import ShardingPolicy
+from autosp.modes.sharded.values import local_tensor
+from autosp.modes.sharded.params import shard_module
 from autosp.passes.sac import SACConfig
-from autosp.sharded.meta_init import load_pretrained, materialize_sharded
+from autosp.modes.sharded.pretrained import load_pretrained
+from autosp.modes.sharded.materialize import materialize_sharded
 
 STEP_VARIANTS = ("sharded", "sharded_unbucketed", "replicated", "sharded_bf16")
 

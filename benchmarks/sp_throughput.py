@@ -58,7 +58,9 @@ from ulysses_baseline import default_impl, init_deepspeed, local_shard, ulysses_
 
 from autosp.backend import AutoSPBackend
 from autosp.models import Llama, LlamaConfig
-from autosp.sharded.fsdp import ShardingPolicy, shard_module, whole
+from autosp.modes.sharded.config import ShardingPolicy
+from autosp.modes.sharded.params import shard_module
+from autosp.modes.sharded.values import whole
 from autosp.passes.sac import SACConfig
 
 VARIANTS = ("autosp_sac", "autosp", "ulysses_compiled", "ulysses_eager", "ddp_compiled", "autosp_sac_fsdp")

@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
 from lightning_autosp.monitor import ActivationMemoryMonitor  # noqa: E402
 from autosp.errors import AutoSPError  # noqa: E402
-from autosp.sharded.fsdp import grad_norm  # noqa: E402
+from autosp.modes.sharded.values import grad_norm  # noqa: E402
 from autosp.sampler import SequenceParallelSampler  # noqa: E402
 from lightning_autosp.strategy import AutoSPStrategy  # noqa: E402
 

@@ -21,7 +21,7 @@ computation, model forward and loss together, so that the logits never leave the
         ...
 
 Everything else is Fabric's DDP strategy - or, with ``fsdp=True``/``"hybrid"``, the sharded mode
-(:mod:`autosp.sharded.mode`): parameters DTensors under their own names and shapes,
+(:mod:`autosp.modes.sharded`): parameters DTensors under their own names and shapes,
 ``fabric.clip_gradients`` over them, ``fabric.save``/``fabric.load`` as DCP directories in the
 format the Trainer strategy writes (a replicated run: one file, likewise), so a run can move
 between the two and between layouts.
@@ -29,10 +29,10 @@ between the two and between layouts.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
@@ -46,14 +46,13 @@ from typing_extensions import override
 from lightning_autosp._compat import FABRIC_SETUP_PASSES_SCHEDULER
 from autosp.arguments import check_arguments
 from autosp.backend import CompiledStep
-from autosp.checkpoint import current_names, is_distributed_checkpoint, load_distributed, optimizer_param_names
+from autosp.compile_prep import prepare_for_compile
 from autosp.errors import AutoSPError
-from autosp.sharded.fsdp import whole
 from autosp.launch import prepare_rank
 from autosp.mesh import SPGrid
-from autosp.sharded.meta_init import has_meta_tensors, materialize_meta
-from autosp.sharded.mode import ShardedMode
-from autosp.compile_prep import prepare_for_compile
+from autosp.modes import make_mode
+from autosp.modes.sharded.materialize import has_meta_tensors
+from autosp.modes.sharded.values import whole
 from autosp.steps import StepRunner
 
 if TYPE_CHECKING:
@@ -107,19 +106,15 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
             pretrained, chunked_loss, tiled_attention, strict, activation_offload, memory_budget,
             tiled_mlp,
         )
-        if config is not None and kwargs:
-            raise ValueError(
-                f"AutoSPStrategy(fsdp={fsdp!r}) does not use PyTorch's DistributedDataParallel, so its arguments "
-                f"{sorted(kwargs)} would do nothing. Remove them, or pass fsdp=False to train DDP replicas."
-            )
+        self._mode = make_mode(config, pretrained, rank_zero_info)
+        self._mode.refuse_ddp_arguments(kwargs, fsdp)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,
             timeout=timeout, start_method=start_method, **kwargs,
         )
         self._sp_size_arg = sp_size
-        self._sharded = ShardedMode(config, pretrained, rank_zero_info) if config is not None else None
-        self._backward_sync_control = _BackwardSync() if config is None else None
+        self._backward_sync_control = self._mode.ddp_only(_BackwardSync)
         self._device_mesh: Optional["DeviceMesh"] = None
         self._runner: Optional[StepRunner] = None
 
@@ -138,7 +133,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         self._validated_layout()
         prepare_rank(self._start_method)  # (Fabric's modules are built after the launch, in each rank)
         super().setup_environment()
-        layout = self._build_grid(self.root_device.type, self._timeout, self._sharded)
+        layout = self._build_grid(self.root_device.type, self._timeout, self._mode)
         self._runner = StepRunner(self._step_config, self.sp_size, self.sp_rank, self.sp_group, self.root_device)
         rank_zero_info(self._grid_summary(layout))
 
@@ -160,12 +155,12 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         name = getattr(fn, "__name__", "step")
         if name in self._runner.backends:
             name = f"{name}_{len(self._runner.backends)}"
-        compiled = self._runner.compile(name, fn)
+        compiled = self._runner.compile_step(name, fn)
         warned: list[bool] = []
 
         def step(*args: Any, **kwargs: Any) -> Any:
             _refuse_compiled_modules(name, (*args, *kwargs.values()))
-            out = self._runner.run(name, name, compiled, (args, kwargs), *args, **kwargs)
+            out = compiled(*args, **kwargs)
             if not warned and _holds_sequence(out, self._runner.marked_length):
                 warned.append(True)
                 rank_zero_warn(
@@ -177,14 +172,12 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         step.__wrapped__ = fn  # type: ignore[attr-defined]
         return step
 
-    # ------------------------------------------------------------------ modules
+    # ------------------------------------------------------------------ modules: the mode's
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """With ``fsdp``, modules built under ``fabric.init_module()`` go to the ``meta`` device
         (no memory) unless ``empty_init=False``; ``fabric.setup`` initialises them shard by shard."""
-        if self._sharded is None or empty_init is False:
-            return super().module_init_context(empty_init)
-        return _entered(self._sharded.init_context, self.precision.module_init_context)
+        return self._mode.init_context(empty_init, ddp=partial(super().module_init_context, empty_init), precision=self.precision.module_init_context)
 
     @override
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -192,40 +185,17 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         first). Sharded: parameters become DTensor shards, read from ``pretrained`` or initialised
         one unit at a time."""
         prepare_for_compile(module)
-        if self._sharded is None:
-            if has_meta_tensors(module):
-                materialize_meta(module, self.root_device)
-            return super().setup_module(module)
-        self._sharded.pretrained_parts(module)
         precision = getattr(self.precision, "precision", "32-true")
-        if has_meta_tensors(module):
-            self._sharded.materialize(module, module, self.root_device, precision, sharded=True)
-        else:
-            module.to(self.root_device)
-        return self._sharded.shard(module, precision)
+        self._mode.model_to_device(module, module, self.root_device, precision, shard=True, strict=True, ddp=_moved_by_fabric)
+        return self._mode.setup_module(module, precision, ddp=super().setup_module)
 
     @override
     def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list[Any], scheduler: Optional[Any] = None) -> tuple:
         """``fabric.setup(model, optimizer)``. Sharded, the optimizers were built over the
         parameters before sharding (on the meta device, even): they are pointed at the DTensor
         parameters that replace them, by name."""
-        if self._sharded is None:
-            return super().setup_module_and_optimizers(module, optimizers, *_scheduler(scheduler))
-        names = {id(p): n for n, p in module.named_parameters()}
-        for optimizer in optimizers:
-            foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
-            if optimizer.state or foreign:
-                raise AutoSPError(
-                    f"AutoSPStrategy(fsdp={self._sharded.config.mode!r}): fabric.setup got an optimizer that "
-                    + ("already has state" if optimizer.state else f"holds {len(foreign)} tensor(s) that are not the model's parameters")
-                    + "; its parameters are replaced by DTensor shards here. Build it over `model.parameters()` "
-                    "before its first step, or after `fabric.setup_module(model)` and pass it to `fabric.setup_optimizers`."
-                )
-        module = self.setup_module(module)
-        sharded = dict(module.named_parameters())
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        ddp = partial(super().setup_module_and_optimizers, module, optimizers, *_scheduler(scheduler))
+        module, optimizers = self._mode.setup_module_and_optimizers(module, optimizers, self.setup_module, ddp)
         return (module, optimizers, *_scheduler(scheduler))
 
     @override
@@ -238,7 +208,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         """The total norm of the whole model's gradients (sharded: over every shard), as on one device."""
         return whole(super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite))
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints: the mode's
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None, filter: Optional[dict] = None) -> None:
         """The Trainer strategy's format: sharded, a DCP directory (the module's state dict under
@@ -248,18 +218,13 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         if storage_options is not None or filter is not None:
             raise TypeError("AutoSPStrategy.save_checkpoint writes checkpoints itself: storage_options and filter are not supported.")
         module, optimizers, rest = _split_state(state)
-        if self._sharded is not None and ShardedMode.is_sharded(module):
-            checkpoint = {"state_dict": module.state_dict(), **rest}
-            checkpoint["optimizer_states"] = [ShardedMode.optimizer_state(module, o) for o in optimizers.values()]
-            checkpoint["autosp"] = {"fabric_state": _keys(state, optimizers)}
-            ShardedMode.save(checkpoint, path, self.global_rank, self.barrier)
-            return
-        if self.is_global_zero:  # replicas: one file, from rank 0
-            checkpoint = {"state_dict": module.state_dict(), "optimizer_states": [o.state_dict() for o in optimizers.values()], **rest}
-            checkpoint["autosp"] = {"optimizer_param_names": optimizer_param_names(module, list(optimizers.values())), "fabric_state": _keys(state, optimizers)}
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            torch.save(checkpoint, path)
-        self.barrier("autosp_fabric_save")
+        checkpoint = {
+            "state_dict": module.state_dict(),
+            "optimizer_states": [self._mode.optimizer_state(module, o, ddp=lambda o: o.state_dict()) for o in optimizers.values()],
+            **rest,
+            "autosp": {"fabric_state": _keys(state, optimizers)},
+        }
+        self._mode.save(checkpoint, path, module, list(optimizers.values()), self.global_rank, self.barrier)
 
     @override
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -269,22 +234,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         if not isinstance(state, dict):
             raise TypeError("AutoSPStrategy.load_checkpoint: pass the state dict you saved ({'model': model, 'optimizer': optimizer, ...}).")
         module, optimizers, rest = _split_state(state)
-        where = str(path)
-        if is_distributed_checkpoint(path):
-            meta = load_distributed(path, module, list(optimizers.values()), strict=strict, weights_only=weights_only)
-        else:
-            meta = torch.load(path, map_location="cpu", **({} if weights_only is None else {"weights_only": weights_only}))
-            name = current_names(meta["state_dict"], module.state_dict())  # (a Trainer checkpoint: "model." keys)
-            model_state = {name(k): v for k, v in meta["state_dict"].items()}
-            if ShardedMode.is_sharded(module):
-                ShardedMode.load_model_state(module, model_state, strict, where)
-                names = (meta.get("autosp") or {}).get("optimizer_param_names")
-                names = None if names is None else [[name(n) for n in group] for group in names]
-                ShardedMode.load_optimizer_states(module, list(optimizers.values()), meta.get("optimizer_states", []), names, where)
-            else:
-                module.load_state_dict(model_state, strict=strict)
-                for optimizer, saved in zip(optimizers.values(), meta.get("optimizer_states", [])):
-                    optimizer.load_state_dict(saved)
+        meta = self._mode.restore(path, module, list(optimizers.values()), strict, weights_only)
         for key in ("state_dict", "optimizer_states", "autosp"):
             meta.pop(key, None)
         for key in rest:
@@ -313,12 +263,8 @@ class _BackwardSync(_DDPBackwardSyncControl):
         return module.no_sync()
 
 
-@contextmanager
-def _entered(*contexts: Callable[[], AbstractContextManager]) -> Generator[None, None, None]:
-    with ExitStack() as stack:
-        for context in contexts:
-            stack.enter_context(context())
-        yield
+def _moved_by_fabric() -> None:
+    """A replica's move to the device: Fabric's own, before ``setup_module`` (:meth:`AutoSPStrategy.module_to_device`)."""
 
 
 def _split_state(state: Mapping[str, Any]) -> tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]:

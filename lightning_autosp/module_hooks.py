@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from autosp.errors import AutoSPError
-from autosp.sharded.fsdp import whole
+from autosp.modes.sharded.values import whole
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -50,7 +50,7 @@ def keep_out_of_graphs(module: "pl.LightningModule") -> list[tuple[Any, str, Any
 
 def _logging_whole(log_fn: Callable, name: str) -> Callable:
     """``self.log(name, value, ...)`` / ``self.log_dict(dictionary, ...)`` with DTensor values whole
-    (:func:`autosp.sharded.fsdp.whole`): Lightning would read one rank's part of them."""
+    (:func:`autosp.modes.sharded.values.whole`): Lightning would read one rank's part of them."""
     values = "dictionary" if name == "log_dict" else "value"
     position = 0 if name == "log_dict" else 1
 

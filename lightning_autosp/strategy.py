@@ -1,9 +1,9 @@
 """``AutoSPStrategy``: DeepSpeed-Ulysses sequence parallelism for unmodified Lightning modules.
 
-A thin adapter from the Trainer's hooks to the framework-agnostic core: the ``dp x sp`` mesh
-(:mod:`autosp.mesh`), the compiled steps and their checks
-(:mod:`autosp.steps`), the sharded mode (:mod:`autosp.sharded.mode`) and
-checkpoints (:mod:`autosp.checkpoint`). ``lightning_autosp.fabric.AutoSPStrategy`` is
+A thin adapter from the Trainer's hooks to the framework-agnostic core (:mod:`autosp`): the
+``dp x sp`` mesh (:mod:`autosp.mesh`), the compiled steps and their checks (:mod:`autosp.steps`)
+and the mode that holds the parameters and writes checkpoints (:mod:`autosp.modes`), picked once
+here and then only called. ``lightning_autosp.fabric.AutoSPStrategy`` is
 the same for Lightning Fabric.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union
 
 import torch
@@ -25,17 +26,14 @@ from typing_extensions import override
 
 from lightning_autosp import module_hooks
 from lightning_autosp._compat import load_checkpoint_kwargs
-from autosp.backend import CompiledStep
-from autosp.checkpoint import current_names, is_distributed_checkpoint, load_distributed, optimizer_param_names
 from autosp.arguments import check_arguments
-from autosp.sharded.fsdp import DDP_ONLY_ARGUMENTS
+from autosp.backend import CompiledStep
+from autosp.compile_prep import prepare_for_compile
 from autosp.launch import prepare_rank
 from autosp.mesh import SPGrid
+from autosp.modes import make_mode
 from autosp.passes.sac import SACConfig
 from autosp.sampler import make_resumable
-from autosp.sharded.meta_init import has_meta_tensors
-from autosp.sharded.mode import ShardedMode
-from autosp.compile_prep import prepare_for_compile
 from autosp.steps import StepRunner
 
 if TYPE_CHECKING:
@@ -86,7 +84,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
             for memory (attention and collectives stay saved).
         seq_dim: the sequence dim of the batch's tensors (``[B, S]`` token ids: 1).
         fsdp: shard parameters, gradients and optimizer state (ZeRO-3 semantics,
-            :mod:`autosp.sharded.mode`) instead of a DDP replica per rank: ``True`` or
+            :mod:`autosp.modes.sharded.mode`) instead of a DDP replica per rank: ``True`` or
             ``"full"`` over every rank, ``"hybrid"`` over the ranks of each node with a replica per
             node. Every parameter is a ``DTensor`` under its own name with its global shape (so
             ``configure_optimizers``, clipping and norms see what they see on one device),
@@ -182,16 +180,11 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
             pretrained, chunked_loss, tiled_attention, strict, activation_offload, memory_budget,
             tiled_mlp,
         )
-        self._sharded = ShardedMode(config, pretrained, rank_zero_info) if config is not None else None
-        if config is not None:
-            given = dict(ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook, ddp_comm_wrapper=ddp_comm_wrapper, model_averaging_period=model_averaging_period)
-            ddp_only = [name for name in DDP_ONLY_ARGUMENTS if given[name] is not None] + sorted(kwargs)
-            if ddp_only:
-                raise ValueError(
-                    f"AutoSPStrategy(fsdp={fsdp!r}) does not use PyTorch's DistributedDataParallel, so its arguments "
-                    f"{ddp_only} would do nothing: the sharded mode reduce-scatters gradients inside the compiled step. "
-                    "Remove them, or pass fsdp=False to train DDP replicas."
-                )
+        self._mode = make_mode(config, pretrained, rank_zero_info)
+        self._mode.refuse_ddp_arguments(
+            dict(ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook, ddp_comm_wrapper=ddp_comm_wrapper, model_averaging_period=model_averaging_period, **kwargs),
+            fsdp,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -245,7 +238,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         assert self.lightning_module is not None
         prepare_rank(self._start_method, self.lightning_module)
         super().setup_environment()
-        layout = self._build_grid(self.root_device.type, self._timeout, self._sharded)
+        layout = self._build_grid(self.root_device.type, self._timeout, self._mode)
         self.lightning_module._device_mesh = self._device_mesh
         rank_zero_info(self._grid_summary(layout))
 
@@ -260,18 +253,14 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
             make_resumable(dataloader, lambda: (trainer.current_epoch, epoch_loop.batch_progress.current.ready))
         return dataloader
 
-    # ------------------------------------------------------------------ sharded parameters
+    # ------------------------------------------------------------------ the module: the mode's
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """With ``fsdp``, modules built in ``configure_model`` or under ``Trainer.init_module()``
         go to the ``meta`` device (no memory) unless ``empty_init=False``; ``setup`` gives them
         storage on the root device, runs the model's own initialisers and shards them."""
-        if self._sharded is None or empty_init is False:
-            with super().tensor_init_context(empty_init):
-                yield
-            return
-        with self._sharded.init_context(), self.precision_plugin.tensor_init_context():
+        with self._mode.init_context(empty_init, ddp=partial(super().tensor_init_context, empty_init), precision=self.precision_plugin.tensor_init_context):
             yield
 
     @override
@@ -279,39 +268,27 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         """Sharded: a model built on the meta device gets its values shard by shard - read from
         ``pretrained`` weights, or from its own initialisers one unit at a time - so no rank holds
         more of it than its shards and one unit (whole for validate/test/predict)."""
-        assert self.model is not None
+        assert self.model is not None and self.lightning_module is not None
         module = self.lightning_module
-        if self._sharded is not None and module is not None:
-            self._sharded.pretrained_parts(module)  # each must be on meta: refused before anything moves
-        if self._sharded is None or module is None or not has_meta_tensors(self.model):
-            return super().model_to_device()
+        self._mode.check_pretrained(module)  # refused before anything moves
         fitting = module.trainer.state.fn == TrainerFn.FITTING
-        self._sharded.materialize(self.model, module, self.root_device, self.precision_plugin.precision, fitting, module.strict_loading)
-        if not fitting:
-            super().model_to_device()
+        self._mode.model_to_device(self.model, module, self.root_device, self.precision_plugin.precision, fitting, module.strict_loading, ddp=super().model_to_device)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self._sharded is None:
-            return super()._setup_model(model)
-        return self._sharded.shard(model, self.precision_plugin.precision)
+        return self._mode.setup_module(model, self.precision_plugin.precision, ddp=super()._setup_model)
 
     @override
     def on_train_end(self) -> None:
         """The module leaves ``fit`` as the user gave it: full parameters, its own classes."""
         super().on_train_end()
-        if self._sharded_now():
-            ShardedMode.unshard(self.lightning_module)
+        self._mode.leave(self.lightning_module)
 
     @override
     def _register_ddp_hooks(self) -> None:
-        if self._sharded is None:
-            super()._register_ddp_hooks()
+        self._mode.ddp_only(super()._register_ddp_hooks)
 
-    def _sharded_now(self) -> bool:
-        return self._sharded is not None and ShardedMode.is_sharded(self.lightning_module)
-
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints: the mode's
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -321,67 +298,43 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Sharded: the optimizer's state keyed by parameter name, its tensors DTensors."""
-        if self._sharded_now():
-            return ShardedMode.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
-        return super().optimizer_state(optimizer)
+        return self._mode.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer), ddp=super().optimizer_state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Sharded (``fsdp`` during ``fit``): a torch distributed checkpoint directory at
-        ``filepath`` (:mod:`autosp.checkpoint`); no rank gathers the model. Otherwise
-        Lightning's single file, with the optimizer's parameter names added so that a sharded run
-        can resume from it."""
-        checkpoint = _loader_states_aside(checkpoint)
-        if self._sharded_now():
-            if storage_options is not None:
-                raise TypeError("AutoSPStrategy(fsdp=...) writes distributed checkpoints itself: storage_options is not supported.")
-            ShardedMode.save(checkpoint, filepath, self.global_rank, self.barrier)
-            return
-        if self.is_global_zero and self.lightning_module is not None and "optimizer_states" in checkpoint:
-            names = optimizer_param_names(self.lightning_module, self.optimizers)
-            checkpoint["autosp"] = {**checkpoint.get("autosp", {}), "optimizer_param_names": names}
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        ``filepath`` (:mod:`autosp.checkpoint`); no rank gathers the model. Otherwise Lightning's
+        single file, with the optimizer's parameter names added so that a sharded run can resume
+        from it."""
+        write_file = partial(super().save_checkpoint, filepath=filepath, storage_options=storage_options)
+        self._mode.save(
+            _loader_states_aside(checkpoint), filepath, self.lightning_module, self._torch_optimizers(), self.global_rank,
+            self.barrier, write_file, storage_options,
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A distributed checkpoint (a directory) is read here, into the module and the
         optimizers, sharded or replicated, on any layout; a single file as Lightning reads it
-        (into a sharded module by :meth:`load_model_state_dict`)."""
-        self._restored_by_strategy = False
-        if not is_distributed_checkpoint(checkpoint_path):
-            return _loader_states_back(super().load_checkpoint(checkpoint_path, **load_checkpoint_kwargs(weights_only)))
+        (into the module by :meth:`load_model_state_dict`)."""
         module = self.lightning_module
         assert module is not None
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        meta = load_distributed(checkpoint_path, module, optimizers, strict=module.strict_loading, weights_only=weights_only)
-        self._restored_by_strategy = True
-        if optimizers:
-            meta["optimizer_states"] = []  # restored above; Lightning checks the key is there
-        return _loader_states_back(meta)
+        read_file = partial(super().load_checkpoint, **load_checkpoint_kwargs(weights_only))
+        checkpoint, self._restored_by_strategy = self._mode.load(checkpoint_path, module, self._torch_optimizers(), module.strict_loading, weights_only, read_file)
+        return _loader_states_back(checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._restored_by_strategy:
-            return
-        module = self.lightning_module
-        name = current_names(checkpoint["state_dict"], module.state_dict())  # (a Fabric checkpoint: the model's own keys)
-        checkpoint = {**checkpoint, "state_dict": {name(k): v for k, v in checkpoint["state_dict"].items()}}
-        if self._sharded_now():
-            return ShardedMode.load_model_state(module, checkpoint["state_dict"], strict, self._ckpt_path())
-        super().load_model_state_dict(checkpoint, strict)
+        if not self._restored_by_strategy:
+            self._mode.load_model_state(self.lightning_module, checkpoint["state_dict"], strict, self._ckpt_path())
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._restored_by_strategy:
-            return
-        if not self._sharded_now():
-            return super().load_optimizer_state_dict(checkpoint)
-        names = (checkpoint.get("autosp") or {}).get("optimizer_param_names")
-        if names is not None:
-            name = current_names([n for group in names for n in group], dict(self.lightning_module.named_parameters()))
-            names = [[name(n) for n in group] for group in names]
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        ShardedMode.load_optimizer_states(self.lightning_module, optimizers, checkpoint["optimizer_states"], names, self._ckpt_path())
+        if not self._restored_by_strategy:
+            self._mode.load_optimizer_states(self.lightning_module, self._torch_optimizers(), checkpoint, self._ckpt_path())
+
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [getattr(o, "_optimizer", o) for o in self.optimizers]
 
     def _ckpt_path(self) -> str:
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -401,19 +354,18 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
                 setattr(module, name, self._runner.compile(name, getattr(module, name)))
         if not self._eager_calls:  # (as the steps: once until teardown)
             self._eager_calls = module_hooks.keep_out_of_graphs(module)
-            if self._sharded is not None:
-                hook = "on_before_optimizer_step"
-                self._eager_calls.append((module, hook, module.__dict__.get(hook, module_hooks.ABSENT)))
-                setattr(module, hook, module_hooks.explaining_dtensor_errors(getattr(module, hook), hook))
+            hook = "on_before_optimizer_step"  # (only sharded parameters raise what it explains)
+            self._eager_calls.append((module, hook, module.__dict__.get(hook, module_hooks.ABSENT)))
+            setattr(module, hook, module_hooks.explaining_dtensor_errors(getattr(module, hook), hook))
 
     @override
     def teardown(self) -> None:
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None)
-        if self._sharded_now() and trainer is not None and trainer.state.status == TrainerStatus.RUNNING:
+        if trainer is not None and trainer.state.status == TrainerStatus.RUNNING:
             # a fit that ran no epoch (resumed at max_steps) ends without on_train_end; not after
             # an exception, where a peer may never reach this collective
-            ShardedMode.unshard(module)
+            self._mode.leave(module)
         if module is not None:
             for name in _COMPILED_STEPS:
                 module.__dict__.pop(name, None)

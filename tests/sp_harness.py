@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_autosp import AutoSPStrategy
 from autosp._compat import FORK_AFTER_COMPILE_BREAKS_AUTOGRAD
 from autosp.launch import unshare
-from autosp.sharded.fsdp import full_state_dict, sharded_parameter_bytes
+from autosp.modes.sharded.values import full_state_dict, sharded_parameter_bytes
 from autosp.passes import sequence_parallel_pass
 from autosp.passes.sac import SACConfig, SACPartitioner
 from autosp.models import GPT, GPTConfig, Llama, LlamaConfig

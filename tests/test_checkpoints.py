@@ -184,7 +184,7 @@ def _state_now(trainer, module) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torch.distributed.tensor import DTensor
 
-    from autosp.sharded.fsdp import full_state_dict
+    from autosp.modes.sharded.values import full_state_dict
 
     optimizer = trainer.optimizers[0]
     state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))["state"]
@@ -218,7 +218,7 @@ class _AtTeardown(L.Callback):
     def teardown(self, trainer, pl_module, stage):
         from torch.distributed.tensor import DTensor
 
-        from autosp.sharded.fsdp import is_sharded
+        from autosp.modes.sharded.params import is_sharded
 
         state = {k: v.clone() for k, v in pl_module.state_dict().items()}
         dtensors = any(isinstance(v, DTensor) for v in state.values())
@@ -323,7 +323,9 @@ def _sharded(kind, seed):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autosp.sharded.fsdp import ShardingPolicy, shard_module
+    from autosp.modes.sharded.config import ShardingPolicy
+
+    from autosp.modes.sharded.params import shard_module
 
     model = make_model(kind, 1)
     torch.manual_seed(seed)
@@ -343,7 +345,7 @@ def _save_sharded_gpt(rank, world, path):
 
     from lightning_autosp import AutoSPError
     from autosp.checkpoint import load_distributed, save_distributed
-    from autosp.sharded.fsdp import full_state_dict
+    from autosp.modes.sharded.values import full_state_dict
 
     model = _sharded("gpt", 0)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -439,7 +441,9 @@ def _save_sharded_hf(rank, world, path):
     from test_any_model import hf_model
 
     from autosp.checkpoint import save_distributed
-    from autosp.sharded.fsdp import ShardingPolicy, full_state_dict, shard_module
+    from autosp.modes.sharded.config import ShardingPolicy
+    from autosp.modes.sharded.values import full_state_dict
+    from autosp.modes.sharded.params import shard_module
 
     holder = torch.nn.Module()
     holder.model = hf_model("llama", 1)()

@@ -200,7 +200,11 @@ def _shard_roundtrip(rank, world):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-    from autosp.sharded.fsdp import ShardingPolicy, full_state_dict, is_sharded, shard_module, unshard_module
+    from autosp.modes.sharded.config import ShardingPolicy
+
+    from autosp.modes.sharded.values import full_state_dict
+
+    from autosp.modes.sharded.params import is_sharded, shard_module, unshard_module
 
     model = make_model("gpt")  # its output head is tied to the token embedding
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -265,10 +269,10 @@ def test_fsdp_argument_is_checked():
         AutoSPStrategy(fsdp=True, reduce_dtype="int8")
     AutoSPStrategy(fsdp=False, find_unused_parameters=True)  # negative control: DDP's own arguments stay DDP's
     strategy = AutoSPStrategy(fsdp="hybrid", param_dtype="bfloat16")
-    policy = strategy._sharded.config.policy(mesh=None, precision="32-true")
+    policy = strategy._mode.config.policy(mesh=None, precision="32-true")
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
-    assert AutoSPStrategy(fsdp=True)._sharded.config.policy(None, "bf16-mixed").param_dtype == torch.bfloat16
-    assert AutoSPStrategy(fsdp=True)._sharded.config.policy(None, "32-true").param_dtype is None
+    assert AutoSPStrategy(fsdp=True)._mode.config.policy(None, "bf16-mixed").param_dtype == torch.bfloat16
+    assert AutoSPStrategy(fsdp=True)._mode.config.policy(None, "32-true").param_dtype is None
 
 
 class _TableWithoutInit(torch.nn.Module):
@@ -287,7 +291,7 @@ def test_materialize_meta_runs_the_models_own_initialisers():
     from test_any_model import hf_model
 
     from lightning_autosp import AutoSPError
-    from autosp.sharded.meta_init import has_meta_tensors, materialize_meta
+    from autosp.modes.sharded.materialize import has_meta_tensors, materialize_meta
 
     with torch.device("meta"):
         gpt = make_model("gpt")
@@ -579,8 +583,11 @@ def _build_sharded(rank, world, path):
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_autosp import AutoSPError
-    from autosp.sharded.fsdp import ShardingPolicy, full_state_dict, shard_module
-    from autosp.sharded.meta_init import load_pretrained, materialize_sharded
+    from autosp.modes.sharded.config import ShardingPolicy
+    from autosp.modes.sharded.values import full_state_dict
+    from autosp.modes.sharded.params import shard_module
+    from autosp.modes.sharded.pretrained import load_pretrained
+    from autosp.modes.sharded.materialize import materialize_sharded
 
     policy = ShardingPolicy(DeviceMesh.from_group(dist.group.WORLD, "cpu"))
     torch.manual_seed(0)

@@ -32,57 +32,19 @@ token embedding) stay one DTensor.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from autosp.errors import AutoSPError
+from autosp.modes.sharded.config import ShardingPolicy
 
-__all__ = [
-    "FSDP_MODES",
-    "ShardingPolicy",
-    "shard_parameters",
-    "shard_module",
-    "unshard_module",
-    "is_sharded",
-    "full_state_dict",
-    "broadcast_module",
-    "sharded_parameter_bytes",
-    "local_tensor",
-    "whole",
-    "grad_norm",
-]
+__all__ = ["shard_parameters", "shard_module", "unshard_module", "is_sharded", "broadcast_module"]
+
 
 log = logging.getLogger(__name__)
-
-#: ``fsdp="full"`` (or ``True``): shard over every rank; ``"hybrid"``: shard within a node,
-#: replicate across nodes
-FSDP_MODES = ("full", "hybrid")
-
-
-@dataclass(frozen=True)
-class ShardingPolicy:
-    """How parameters are sharded and gathered.
-
-    Attributes:
-        mesh: a 1-D mesh (shard over all of it) or a 2-D ``(replicate, shard)`` mesh (HSDP).
-        param_dtype: the dtype parameters are all-gathered and computed in (``None``: their own);
-            only floating-point parameters are cast.
-        reduce_dtype: the dtype gradients are reduce-scattered in (``None``: the gradient's own).
-    """
-
-    mesh: Any  # DeviceMesh
-    param_dtype: Optional[torch.dtype] = None
-    reduce_dtype: Optional[torch.dtype] = None
-
-    def placements(self, param: torch.Tensor) -> tuple:
-        from torch.distributed.tensor import Replicate, Shard
-
-        sharded = Shard(0) if param.dim() > 0 else Replicate()
-        return (Replicate(), sharded) if self.mesh.ndim == 2 else (sharded,)
 
 
 class _Gather:
@@ -112,6 +74,8 @@ class _Gather:
 
 #: (original class, parameter names) -> the subclass with a property per parameter name
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
 #: forwards of sharded modules running eagerly now (nested calls count each)
 _eager_forwards = 0
 
@@ -147,47 +111,7 @@ def _leave_forward(module: nn.Module, args: Any, output: Any) -> None:
         _eager_forwards -= 1
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t`` (``t`` itself unless it is a DTensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def whole(value: Any) -> Any:
-    """``value`` with every DTensor in it (a tensor, or the values of a dict) replaced by its whole
-    value, the same on every rank (a collective where it is sharded or partial). A DTensor's
-    ``.item()`` gives this rank's part: a norm of a sharded gradient is ``Partial``, its local
-    value one rank's share of the sum of squares."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        return value.full_tensor()
-    if isinstance(value, dict):
-        return {k: whole(v) for k, v in value.items()}
-    return value
-
-
-def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, torch.Tensor]:
-    """Lightning's :func:`lightning.pytorch.utilities.grad_norm` for modules whose gradients may
-    be DTensors (``AutoSPStrategy(fsdp=...)``): the same keys (``grad_2.0_norm/<name>`` and
-    ``grad_2.0_norm_total``) with whole-model values on every rank, as on one device. Lightning's
-    own builds ``torch.tensor`` from the per-parameter norms, which DTensors cannot pass. A
-    collective with DTensor gradients: call it on every rank."""
-    norm_type = float(norm_type)
-    if norm_type <= 0:
-        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
-    norms = {
-        f"grad_{norm_type}_norm{group_separator}{name}": whole(p.grad.detach().norm(norm_type))
-        for name, p in module.named_parameters()
-        if p.grad is not None
-    }
-    if norms:
-        norms[f"grad_{norm_type}_norm_total"] = torch.stack(list(norms.values())).norm(norm_type)
-    return norms
-
-
-def _local_rows(rows: int, policy: ShardingPolicy) -> tuple[int, int]:
+def local_rows(rows: int, policy: ShardingPolicy) -> tuple[int, int]:
     """``(start, stop)``: the rows of a ``Shard(0)`` tensor of ``rows`` rows this rank holds
     (``torch.chunk``'s split: ``ceil(rows / n)`` each in mesh order, the last ones fewer)."""
     n = policy.mesh.size(policy.mesh.ndim - 1)
@@ -209,7 +133,7 @@ def _shard(param: torch.Tensor, policy: ShardingPolicy, device: Optional[torch.d
             return DTensor.from_local(dt.to_local().clone(), policy.mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride())
     shape = param.shape
     if param.dim() > 0:
-        start, stop = _local_rows(shape[0], policy)
+        start, stop = local_rows(shape[0], policy)
         shape = torch.Size([stop - start, *shape[1:]])
     local = torch.full(shape, float("nan"), dtype=param.dtype, device=device) if param.is_floating_point() else torch.empty(shape, dtype=param.dtype, device=device)
     return DTensor.from_local(local, policy.mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
@@ -301,109 +225,9 @@ def is_sharded(module: nn.Module) -> bool:
     return any(hasattr(type(m), "_autosp_original_class") for m in module.modules())
 
 
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` with every DTensor gathered whole, on every rank (a collective).
-    Meant for small models and tests: every rank holds the whole model while it runs."""
-    from torch.distributed.tensor import DTensor
-
-    with torch.no_grad():
-        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
-
-
 def broadcast_module(module: nn.Module, src: int = 0) -> None:
     """Give every rank ``src``'s parameters and buffers (in place); shards stay as they are."""
     with torch.no_grad():
         for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
             if not getattr(t, "_autosp_shard", False):
                 dist.broadcast(t, src=src)
-
-
-def sharded_parameter_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
-    """Bytes this rank holds for parameters, their gradients and the optimizer state (its local
-    shards, read from the storages, each counted once)."""
-    seen: set[int] = set()
-
-    def nbytes(tensors: Iterable[Any]) -> int:
-        total = 0
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                storage = local_tensor(t).untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-        return total
-
-    params = list(module.parameters())
-    out = {"parameters": nbytes(params), "gradients": nbytes(p.grad for p in params if p.grad is not None)}
-    if optimizer is not None:
-        out["optimizer"] = nbytes(v for state in optimizer.state.values() for v in state.values())
-    return out
-
-
-_PRECISION_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-#: DDPStrategy arguments that only configure the DDP wrapper, which the sharded mode does not use
-DDP_ONLY_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
-
-
-def _dtype(value: Any, name: str) -> Optional[torch.dtype]:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    dtype = getattr(torch, str(value).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"AutoSPStrategy({name}={value!r}): pass a floating-point torch dtype or its name ('bfloat16', 'float32', ...), or None.")
-    return dtype
-
-
-@dataclass(frozen=True)
-class FSDPConfig:
-    """The sharded mode's arguments, checked (``AutoSPStrategy(fsdp=..., param_dtype=...,
-    reduce_dtype=...)``).
-
-    ``mode`` is ``"full"`` (shard over every rank of the ``dp x sp`` world) or ``"hybrid"``
-    (shard over the ranks of a node, replicate across nodes: parameters are gathered over
-    intra-node links only). ``param_dtype=None`` follows the Trainer's precision: ``bf16-mixed``
-    gathers in bfloat16, ``16-mixed`` in float16, anything else in the parameters' own dtype.
-    ``reduce_dtype=None`` reduces gradients in float32 where parameters are gathered in a lower
-    precision.
-    """
-
-    mode: str
-    param_dtype: Optional[torch.dtype] = None
-    reduce_dtype: Optional[torch.dtype] = None
-
-    @classmethod
-    def from_arguments(cls, fsdp: Any, param_dtype: Any = None, reduce_dtype: Any = None) -> Optional["FSDPConfig"]:
-        """``None`` for the replicated mode (``fsdp=False``); a ``ValueError`` naming the argument
-        for anything else that is not a mode."""
-        if fsdp is False or fsdp is None:
-            if param_dtype is not None or reduce_dtype is not None:
-                raise ValueError(
-                    "AutoSPStrategy(param_dtype=..., reduce_dtype=...) set the sharded mode's gather and reduce dtypes; "
-                    "with fsdp=False parameters are replicas (no gathers). Pass fsdp=True, or leave them unset and "
-                    "use the Trainer's precision."
-                )
-            return None
-        mode = "full" if fsdp is True else fsdp
-        if mode not in FSDP_MODES:
-            raise ValueError(
-                f"AutoSPStrategy(fsdp={fsdp!r}): pass True or 'full' (shard over every rank), 'hybrid' (shard within "
-                "a node, replicate across nodes) or False (a replica per rank)."
-            )
-        return cls(mode, _dtype(param_dtype, "param_dtype"), _dtype(reduce_dtype, "reduce_dtype"))
-
-    def policy(self, mesh: Any, precision: str) -> ShardingPolicy:
-        param_dtype = self.param_dtype if self.param_dtype is not None else _PRECISION_PARAM_DTYPES.get(str(precision))
-        reduce_dtype = self.reduce_dtype
-        if reduce_dtype is None and param_dtype is not None and param_dtype != torch.float32:
-            reduce_dtype = torch.float32
-        return ShardingPolicy(mesh, param_dtype, reduce_dtype)
-
-    def shard_groups(self, world_size: int, devices_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
-        """``(replicate groups, shard groups)`` of the ranks: with ``"hybrid"`` a shard group is a
-        node's ranks and a replicate group the ranks with one local rank; otherwise one shard
-        group of every rank (and a replicate group per rank)."""
-        per = devices_per_node if self.mode == "hybrid" else world_size
-        nodes = world_size // per
-        shard = [list(range(n * per, (n + 1) * per)) for n in range(nodes)]
-        replicate = [list(range(j, world_size, per)) for j in range(per)]
-        return replicate, shard
