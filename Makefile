@@ -13,7 +13,8 @@ TORCH_SPEC ?= torch==2.13.0
 
 # the compatibility subset: version gates, the pass, SAC, GPT and Llama numerics with SAC on and
 # off, the Hugging Face decoders, the CLI, the sharded mode and its checkpoints, LitGPT and the
-# Fabric strategy, whole-block recompute and the tiled regions (docs/testing.md lists where it passed)
+# Fabric strategy, whole-block recompute, the tiled regions and the core without Lightning (docs/testing.md
+# lists where it passed)
 LIGHTNING_SPEC ?=
 COMPAT_VENV ?= .venv-compat-$(shell echo '$(TORCH_SPEC)$(if $(LIGHTNING_SPEC),-$(LIGHTNING_SPEC))' | tr -c 'A-Za-z0-9.\n-' '_')
 COMPAT_TESTS := tests/test_compat.py tests/test_strategy.py tests/test_pass.py tests/test_sac.py \
@@ -27,7 +28,7 @@ COMPAT_TESTS := tests/test_compat.py tests/test_strategy.py tests/test_pass.py t
 	tests/test_failures.py::test_fork_launch_in_a_notebook tests/test_failures.py::test_forkserver_launch_gives_each_rank_its_own_parameters \
 	'tests/test_litgpt.py::test_litgpt_matches_one_device[llama-pretrain-2]' tests/test_fabric.py tests/test_moe.py \
 	tests/test_offload.py::test_block_recompute_is_exact tests/test_tiled_mlp.py::test_regions_are_the_mlps_with_their_norms \
-	tests/test_tiled_mlp.py::test_bf16_norms_are_tiled_too
+	tests/test_tiled_mlp.py::test_bf16_norms_are_tiled_too tests/test_plain_torch.py
 
 .PHONY: demo test install benchmarks test-compat
 install: $(VENV)/.installed
