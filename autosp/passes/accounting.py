@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from autosp.ops import tiled_rows
+from autosp.passes.attention_schemes import schemes
 
 __all__ = [
     "OP_KINDS",
@@ -53,7 +54,8 @@ __all__ = [
 OP_KINDS = ("attention", "all_to_all", "linear", "norm", "embedding", "loss", "other")
 
 #: namespaces of the collective ops (AutoSP's and torch's functional collectives)
-COLLECTIVE_NAMESPACES = frozenset({"autosp", "_c10d_functional", "c10d_functional"})
+#: torch's functional collectives (the sharded mode's gathers) and what the attention schemes insert
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", *(ns for s in schemes() for ns in s.op_namespaces)})
 _BY_OP: dict[str, str] = {}
 for _kind, _names in {
     "attention": (
@@ -111,6 +113,9 @@ def op_kind(op_name: str, module_type: Optional[str] = None) -> str:
     and, for ops with no kind of their own (elementwise, reductions), the class name of the
     innermost module it ran in (``"RMSNorm"`` -> ``norm``, ``"FeedForward"`` -> ``linear``)."""
     ns, _, name = op_name.rpartition("::")
+    for scheme in schemes():  # what an attention scheme inserts: the kind it names
+        if ns in scheme.op_namespaces:
+            return scheme.collective_kind
     if ns in COLLECTIVE_NAMESPACES:
         return "all_to_all"
     kind = _BY_OP.get(name)

@@ -21,44 +21,19 @@ gathered copy; a mutation of one of them must not leave another stale. The polic
 
 from __future__ import annotations
 
-import operator
 from typing import Callable, Optional
 
 import torch.fx as fx
 
 from autosp.errors import AutoSPError, user_source
-from autosp.passes.placement import REPLICATE, Shard, is_tensor
-from autosp.passes.rewrite import SPRewrite
+from autosp.passes.placement import REPLICATE, Shard
+from autosp.passes.rewrite import SPRewrite, mutated_input
 from autosp.passes.sp_rules.registry import OpCall, Rule
 
 __all__ = ["mutated_input", "visit_inplace"]
 
-_INPLACE_FUNCTIONS = {
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
-    operator.iand, operator.ior, operator.ixor, operator.setitem,
-}
-
 #: ops whose rule sums sequence-sharded values into a replicated tensor (``zeros(E).scatter_add_(0, ids, w)``)
 _SUMS_INTO_REPLICATED = {"scatter_add", "index_add"}
-
-
-def mutated_input(rw: SPRewrite, node: fx.Node) -> Optional[fx.Node]:
-    """The old node whose tensor ``node`` mutates in place, or ``None``."""
-    target = None
-    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"):
-        target = node.args[0]
-    elif node.op == "call_function":
-        if node.kwargs.get("inplace") is True:
-            target = node.args[0]
-        elif "out" in node.kwargs:
-            target = node.kwargs["out"]
-        else:
-            try:
-                if node.target in _INPLACE_FUNCTIONS:
-                    target = node.args[0]
-            except TypeError:  # an unhashable target
-                pass
-    return target if isinstance(target, fx.Node) and is_tensor(rw.val(target)) else None
 
 
 def visit_inplace(

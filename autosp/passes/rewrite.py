@@ -8,8 +8,9 @@ single-device graph (shapes are global), the new graph with helpers to build it,
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import sympy
 import torch
@@ -19,7 +20,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from autosp.passes.placement import REPLICATE, Shard, is_tensor, shape_exprs
 from autosp.passes.redistribute import Redistributor
 
-__all__ = ["SPRewrite", "SPPassStats"]
+if TYPE_CHECKING:
+    from autosp.passes.attention_schemes.base import AttentionScheme
+
+__all__ = ["SPRewrite", "SPPassStats", "mutated_input"]
+
+_INPLACE_FUNCTIONS = {
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
+    operator.iand, operator.ior, operator.ixor, operator.setitem,
+}
+
 
 
 @dataclass
@@ -27,6 +37,7 @@ class SPPassStats:
     """What the pass did to one graph (also stored as ``gm.meta["autosp"]``)."""
 
     sdpa: int = 0
+    #: the exchanges the attention scheme emitted (Ulysses: all-to-alls, four per attention call)
     all_to_all: int = 0
     #: ops run replicated (their sharded inputs all-gathered): ``"name (op): why"``
     fallbacks: list[str] = field(default_factory=list)
@@ -85,9 +96,11 @@ class SPRewrite:
     def __init__(
         self, gm: fx.GraphModule, sp_size: int, sp_rank: int, group_name: str, seq: sympy.Symbol, loss_chunk: Optional[int] = 0,
         kv_before_repeat: bool = True, native_gqa: Optional[bool] = None, seq_offset: int = 0,
-        attention_tile: Optional[int] = 0,
+        attention_tile: Optional[int] = 0, attention: Optional["AttentionScheme"] = None,
     ):
         self.gm = gm
+        #: how each attention is parallelised (:mod:`autosp.passes.attention_schemes`; default Ulysses)
+        self.attention: "AttentionScheme" = attention if attention is not None else _default_scheme()
         #: rows per chunk of the fused vocabulary projection and loss (0: automatic, None: off)
         self.loss_chunk = loss_chunk
         #: exchange KV heads before the model's own repeat of them (see the attention rule)
@@ -152,8 +165,6 @@ class SPRewrite:
     def mutations_of(self, node: fx.Node) -> list[fx.Node]:
         """The old graph's in-place ops that mutate ``node``'s storage (through any alias), in order."""
         if not hasattr(self, "_mutators"):
-            from autosp.passes.inplace import mutated_input  # (inplace imports this module)
-
             self._mutators: dict[Any, list[fx.Node]] = {}
             for n in self.gm.graph.nodes:
                 target = mutated_input(self, n) if n.op in ("call_function", "call_method") else None
@@ -227,3 +238,28 @@ class SPRewrite:
 def _storage(value: Any) -> Optional[int]:
     """An id of the (fake) tensor's storage, shared by its views."""
     return StorageWeakRef(value.untyped_storage()).cdata if is_tensor(value) else None
+
+
+def _default_scheme() -> "AttentionScheme":
+    from autosp.passes.attention_schemes.base import DEFAULT_SCHEME, get_scheme
+
+    return get_scheme(DEFAULT_SCHEME)
+
+
+def mutated_input(rw: "SPRewrite", node: fx.Node) -> Optional[fx.Node]:
+    """The old node whose tensor ``node`` mutates in place, or ``None``."""
+    target = None
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("__"):
+        target = node.args[0]
+    elif node.op == "call_function":
+        if node.kwargs.get("inplace") is True:
+            target = node.args[0]
+        elif "out" in node.kwargs:
+            target = node.kwargs["out"]
+        else:
+            try:
+                if node.target in _INPLACE_FUNCTIONS:
+                    target = node.args[0]
+            except TypeError:  # an unhashable target
+                pass
+    return target if isinstance(target, fx.Node) and is_tensor(rw.val(target)) else None

@@ -48,6 +48,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autosp._compat import prepare_recompute_tags
+from autosp.passes.attention_schemes import schemes
 from autosp.passes import accounting as memory
 from autosp.passes import offload as offload_module
 from autosp.passes.offload import OffloadConfig, OffloadPlan
@@ -73,7 +74,7 @@ log = logging.getLogger(__name__)
 
 #: kinds SAC may recompute; attention and collectives are always saved
 RECOMPUTABLE_KINDS = ("linear", "norm", "embedding", "loss", "other")
-_ALWAYS_SAVED = ("attention", "all_to_all")
+_ALWAYS_SAVED = ("attention", *dict.fromkeys(s.collective_kind for s in schemes()))
 
 
 @dataclass(frozen=True)

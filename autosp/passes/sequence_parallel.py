@@ -47,8 +47,10 @@ from autosp.passes.chunks import merge_row_chunks
 from autosp.passes.inplace import mutated_input, visit_inplace
 from autosp.passes.placement import RANK_LOCAL, hinted_bytes, is_tensor, shape_exprs
 from autosp.passes.rewrite import SPPassStats, SPRewrite
-from autosp.passes.sp_rules import SDPA, SEQ_GATHER, SEQ_SCATTER, lookup
-from autosp.passes.sp_rules.attention import TILED_ATTENTION, exchanged_source
+from autosp.passes.attention_schemes import DEFAULT_SCHEME, AttentionScheme, get_scheme
+from autosp.passes.attention_schemes.ulysses import SEQ_GATHER, SEQ_SCATTER
+from autosp.passes.sp_rules import SDPA, lookup
+from autosp.passes.sp_rules.attention import TILED_ATTENTION
 from autosp.passes.sp_rules.expert_dispatch import emit_dispatch, match_dispatch, starts_dispatch
 from autosp.passes.sp_rules.manual_attention import expected_all_to_alls, find_manual_attention, rewrite_manual_attention
 
@@ -246,27 +248,17 @@ def _refuse_attention_in_subgraph(gm: fx.GraphModule, node: fx.Node) -> None:
                 )
 
 
-def _exchanged_input(a: object) -> bool:
-    """Attention reads ``a`` from a ``seq_gather`` (through the transposed view ``_to_heads`` emits
-    and, for KV heads exchanged before the model's repeat, the repeat after it)."""
-    a = exchanged_source(a)
-    return isinstance(a, fx.Node) and a.target is torch.transpose and getattr(a.args[0], "target", None) is SEQ_GATHER
-
-
-def _exchanged_output(u: fx.Node) -> bool:
-    """Attention's output ``u`` feeds only a ``seq_scatter`` (through ``_to_sequence``'s transposed view)."""
-    return u.target is torch.transpose and len(u.users) > 0 and all(v.target is SEQ_SCATTER for v in u.users)
-
-
-def _check_postcondition(graph: fx.Graph, stats: SPPassStats, manual_all_to_alls: int) -> None:
+def _check_postcondition(graph: fx.Graph, stats: SPPassStats, manual_all_to_alls: int, scheme: AttentionScheme) -> None:
+    """Every attention reads its inputs through the scheme's exchange and hands its output to the
+    exchange back; the exchanges counted are those the rules asked for."""
     graph.lint()
     for n in graph.find_nodes(op="call_function", target=SDPA):
-        if not all(_exchanged_input(a) for a in n.args[:3]) or not all(_exchanged_output(u) for u in n.users):
+        if not all(scheme.reads_exchanged(a) for a in n.args[:3]) or not all(scheme.writes_exchanged(u) for u in n.users):
             raise AutoSPError(f"internal: attention {n.name} was not fully rewritten for sequence parallelism")
     tiled = graph.find_nodes(op="call_function", target=TILED_ATTENTION)
     for n in tiled:  # its output reaches the exchange through getitem 0
         outputs = [v for u in n.users for v in u.users]
-        if not all(_exchanged_input(a) for a in n.args[:3]) or not outputs or not all(_exchanged_output(v) for v in outputs):
+        if not all(scheme.reads_exchanged(a) for a in n.args[:3]) or not outputs or not all(scheme.writes_exchanged(v) for v in outputs):
             raise AutoSPError(f"internal: tiled attention {n.name} was not fully rewritten for sequence parallelism")
     if len(tiled) != stats.tiled_attention:
         raise AutoSPError(f"internal: {len(tiled)} tiled attention ops for {stats.tiled_attention} tiled attention calls")
@@ -306,6 +298,7 @@ def sequence_parallel_pass(
     native_gqa: Optional[bool] = None,
     attention_tile: Optional[int] = 0,
     strict: bool = False,
+    attention_scheme: str = DEFAULT_SCHEME,
 ) -> fx.GraphModule:
     """Rewrite a Dynamo graph for Ulysses sequence parallelism (see the module docstring).
 
@@ -357,7 +350,7 @@ def sequence_parallel_pass(
     offset = attention_offset(gm, seq)
     rw = SPRewrite(
         gm, sp_size, sp_rank, group_name, seq, loss_chunk, kv_before_repeat, native_gqa, seq_offset=offset,
-        attention_tile=attention_tile,
+        attention_tile=attention_tile, attention=get_scheme(attention_scheme),
     )
     rw.stats.merged_losses = merged
     for attn in manual:
@@ -371,7 +364,7 @@ def sequence_parallel_pass(
             + "\nWrite them along another dim than the sequence (or in a way the supported-models page lists), or "
             "pass strict=False to run them replicated (exact; each rank then holds the bytes above)."
         )
-    _check_postcondition(graph, rw.stats, sum(expected_all_to_alls(rw, attn) for attn in manual))
+    _check_postcondition(graph, rw.stats, sum(expected_all_to_alls(rw, attn) for attn in manual), rw.attention)
     _check_example_fits(gm, seq, sp_size, rw.stats.max_shift, offset)
     new_gm = fx.GraphModule(gm, graph)
     new_gm.meta["autosp"] = rw.stats

@@ -40,15 +40,9 @@ if TYPE_CHECKING:
     from autosp.passes.rewrite import SPRewrite
 
 SDPA = F.scaled_dot_product_attention
-SEQ_GATHER = torch.ops.autosp.seq_gather.default
-SEQ_SCATTER = torch.ops.autosp.seq_scatter.default
 TILED_ATTENTION = torch.ops.autosp_attn.tiled_attention.default
 LIVE_TILES = torch.ops.autosp_attn.live_tiles.default
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
-def valid_sp_sizes(heads: int) -> list[int]:
-    return [d for d in range(1, heads + 1) if heads % d == 0]
 
 
 def _kv_repeat(node: fx.Node, heads: int, kv_heads: int, sp_size: int, gqa: bool) -> int:
@@ -159,37 +153,6 @@ def _sequence_local(rw: "SPRewrite", node: fx.Node, n: fx.Node, seq_dim: int) ->
     return rw.new_value[n]
 
 
-def _to_heads(rw: "SPRewrite", x: fx.Node, heads: int, head_dim: int, seq_dim: int) -> fx.Node:
-    """``[.., h, S_r, D]`` (this rank's tokens, all heads) -> ``[.., h/P, S, D]`` (all tokens,
-    this rank's heads). The send buffer ``[P, .., S_r, h/P, D]`` (head group ``j`` for rank ``j``,
-    tokens outside heads) is laid out with plain tensor ops the compiler can fuse into the
-    producer; :func:`~autosp.ops.collectives.seq_gather` exchanges and joins the pieces (of uneven
-    length when ``P`` does not divide ``S``) into ``[.., S, h/P, D]``, and attention reads that
-    through a transposed view. With the sequence outside the heads the pieces received lie end to
-    end for ``B = 1``, so joining them copies nothing."""
-    g, P = rw.graph, rw.sp_size
-    send = g.call_function(torch.unflatten, (x, head_dim, (P, heads // P)))  # [.., P, h/P, S_r, D]
-    lead = tuple(range(head_dim))
-    send = g.call_function(torch.permute, (send, (head_dim, *lead, head_dim + 2, head_dim + 1, head_dim + 3)))
-    send = g.call_method("contiguous", (send,))  # [P, .., S_r, h/P, D]
-    full = g.call_function(SEQ_GATHER, (send, head_dim, rw.group_name, rw.emit(rw.seq), rw.sp_rank))  # [.., S, h/P, D]
-    return g.call_function(torch.transpose, (full, head_dim, seq_dim))  # [.., h/P, S, D]
-
-
-def _to_sequence(rw: "SPRewrite", x: fx.Node, head_dim: int, seq_dim: int) -> fx.Node:
-    """The inverse of :func:`_to_heads`: ``[.., h/P, S, D]`` -> ``[.., h, S_r, D]``. Attention's
-    output is read as ``[.., S, h/P, D]`` (on CPU and in the flash kernels the memory layout it
-    was written in when the inputs are transposed views, so the send needs no copy); the pieces
-    received (:func:`~autosp.ops.collectives.seq_scatter`) are put in head order with plain tensor
-    ops the compiler can fuse into the consumer."""
-    g, P = rw.graph, rw.sp_size
-    tokens_out = g.call_function(torch.transpose, (x, head_dim, seq_dim))  # [.., S, h/P, D]
-    recv = g.call_function(SEQ_SCATTER, (tokens_out, head_dim, rw.group_name, P, rw.emit(rw.seq), rw.sp_rank))
-    lead = tuple(range(1, head_dim + 1))  # recv: [P, .., S_r, h/P, D]
-    out = g.call_function(torch.permute, (recv, (*lead, 0, head_dim + 2, head_dim + 1, head_dim + 3)))  # [.., P, h/P, S_r, D]
-    return g.call_function(torch.flatten, (out, head_dim, head_dim + 1))  # [.., h, S_r, D]
-
-
 def report_dense(rw: "SPRewrite", node: fx.Node, what: str, value: Any, why: str, per_rank: int = 1) -> None:
     """Record that attention ``node`` keeps ``what`` (a fake tensor ``value``, of which each rank
     holds ``1/per_rank``) dense on every rank."""
@@ -252,12 +215,7 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
             f"{node.name}: attention heads must be static, got q {list(rw.shape(q))}, k {list(rw.shape(k))}"
         )
     heads, kv_heads = int(heads), int(kv_heads)
-    if heads % rw.sp_size:
-        raise AutoSPError(
-            f"{node.name}: the query has {heads} attention heads (shape {list(rw.shape(q))}), not divisible by "
-            f"sp_size={rw.sp_size}. Ulysses splits the heads across the SP group; valid sp_size values for this "
-            f"model: {valid_sp_sizes(heads)}."
-        )
+    rw.attention.check_heads(rw, node, heads, list(rw.shape(q)))
     dropout_p = bound.get("dropout_p", 0.0)
     if isinstance(dropout_p, fx.Node) or dropout_p != 0:
         raise AutoSPError(
@@ -289,21 +247,19 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
             local = rw.graph.call_function(torch.repeat_interleave, (local, kv_repeat), {"dim": head_dim})
             n_heads = kv_heads * kv_repeat
         # [B, H, S/P, D] -> [B, H/P, S, D]
-        exchanged = _to_heads(rw, local, n_heads // n_rep, head_dim, seq_dim)
+        exchanged = rw.attention.to_heads(rw, local, n_heads // n_rep, head_dim, seq_dim)
         if n_rep > 1:
             rw.stats.kv_exchanged_unrepeated += 1
             if not native:  # [B, Hk/P, S, D] -> [B, H/P, S, D]
                 exchanged = _repeat_heads(rw, exchanged, n_rep, head_dim)
         qkv.append(exchanged)
-        rw.stats.all_to_all += 1
     kwargs = {key: bound[key] for key in _SDPA_ARGS[3:] if key in bound}
     if native:  # rank j's query heads j*H/P.. read KV heads j*Hk/P.. (head i -> i // n_rep), as after the repeat
         rw.stats.native_gqa += 1
-    rw.stats.all_to_all += 1
     rw.stats.sdpa += 1
     if program is not None:  # [B, H/P, S, D] -> [B, H/P, S, D], the mask evaluated per tile
         out = emit_tiled_attention(rw, *qkv, program, heads, rw.val(q).device)
-        return _to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
+        return rw.attention.to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
     if kv_repeat > 1 and kv_heads * kv_repeat == heads:
         kwargs["enable_gqa"] = False
     if native:
@@ -319,13 +275,13 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
                 raise AutoSPError(
                     f"{node.name}: attn_mask shape {list(mask_shape)} has {mask_shape[mask_head_dim]} heads, the query {heads}"
                 )
-            per_rank = heads // rw.sp_size
             # [.., H, S, S] -> [.., H/P, S, S]
-            full_mask = rw.graph.call_function(torch.narrow, (full_mask, mask_head_dim, rw.sp_rank * per_rank, per_rank))
+            first, per_rank = rw.attention.first_head(rw, heads), rw.attention.heads_per_rank(rw, heads)
+            full_mask = rw.graph.call_function(torch.narrow, (full_mask, mask_head_dim, first, per_rank))
         kwargs["attn_mask"] = full_mask
         if rw.attention_tile is None:
             report_dense(rw, node, f"attn_mask {mask.name}", rw.val(mask), "of AutoSPStrategy(tiled_attention=False)")
     kwargs = {key: (rw.new_value[a] if isinstance(a, fx.Node) and key != "attn_mask" else a) for key, a in kwargs.items()}
     out = rw.graph.call_function(SDPA, tuple(qkv), kwargs)  # [B, H/P, S, D]
     # [B, H/P, S, D] -> [B, H, S/P, D]
-    return _to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
+    return rw.attention.to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)

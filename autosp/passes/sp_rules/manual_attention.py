@@ -40,12 +40,9 @@ from autosp.passes.placement import is_tensor, norm_dim, shape_exprs
 from autosp.passes.sp_rules.attention import (
     _repeat_heads,
     _sequence_local,
-    _to_heads,
-    _to_sequence,
     emit_tiled_attention,
     repeated_heads,
     report_dense,
-    valid_sp_sizes,
 )
 from autosp.passes.sp_rules.registry import RuleResult, lookup
 from autosp.passes.sp_rules.score_program import ExtractedProgram, NotAFunction, ProgramBuilder
@@ -180,8 +177,7 @@ def _exchanged(rw: "SPRewrite", attn: ManualAttention, n: fx.Node, heads: int, h
     """q, k or v as this rank's ``[B, H/P, S, D]`` (or ``[B, 1, S, D]``, a head every query head reads)."""
     n_heads = int(rw.shape(n)[head_dim])
     if n_heads == heads:
-        rw.stats.all_to_all += 1
-        return _to_heads(rw, _sequence_local(rw, attn.last, n, seq_dim), heads, head_dim, seq_dim)
+        return rw.attention.to_heads(rw, _sequence_local(rw, attn.last, n, seq_dim), heads, head_dim, seq_dim)
     if n_heads == 1:  # broadcast over the query heads: every rank needs it whole
         return rw.redistribute.to_replicate(n)
     raise AutoSPError(f"internal: {n.name} has {n_heads} heads, the query {heads}")
@@ -201,8 +197,8 @@ def _side(rw: "SPRewrite", a: Any, scores: list[sympy.Expr], heads: int) -> Any:
     if head_dim >= 0 and shape[head_dim] != 1:
         if shape[head_dim] != heads:
             raise AutoSPError(f"internal: {a.name} {shape} does not broadcast against the scores {scores}")
-        per_rank = heads // rw.sp_size
-        full = rw.graph.call_function(torch.narrow, (full, head_dim, rw.sp_rank * per_rank, per_rank))
+        first, per_rank = rw.attention.first_head(rw, heads), rw.attention.heads_per_rank(rw, heads)
+        full = rw.graph.call_function(torch.narrow, (full, head_dim, first, per_rank))
     return full
 
 
@@ -214,27 +210,21 @@ def rewrite_manual_attention(rw: "SPRewrite", attn: ManualAttention) -> RuleResu
     if not qs[head_dim].is_Integer:
         raise AutoSPError(f"{attn.first.name}: attention heads must be static, got q {qs}")
     heads = int(qs[head_dim])
-    if heads % rw.sp_size:
-        raise AutoSPError(
-            f"{attn.first.name}: the query has {heads} attention heads (shape {qs}), not divisible by "
-            f"sp_size={rw.sp_size}. Ulysses splits the heads across the SP group; valid sp_size values for this "
-            f"model: {valid_sp_sizes(heads)}."
-        )
+    rw.attention.check_heads(rw, attn.first, heads, qs)
     program = _chain_program(rw, attn, heads)
     kv, kv_heads = {}, {}
     for n in (attn.k, attn.v):
         found = _exchanged_before_repeat(rw, n, head_dim)  # the model's repeat of fewer KV heads: exchange them before it
         if found is not None:
             x, n_rep = found
-            rw.stats.all_to_all += 1
-            local = _to_heads(rw, _sequence_local(rw, attn.last, x, seq_dim), heads // n_rep, head_dim, seq_dim)
-            kv[n], kv_heads[n] = local, heads // n_rep // rw.sp_size
+            local = rw.attention.to_heads(rw, _sequence_local(rw, attn.last, x, seq_dim), heads // n_rep, head_dim, seq_dim)
+            kv[n], kv_heads[n] = local, rw.attention.heads_per_rank(rw, heads // n_rep)
             if program is None:  # the tiled kernel reads them unrepeated
-                kv[n], kv_heads[n] = _repeat_heads(rw, local, n_rep, head_dim), heads // rw.sp_size
+                kv[n], kv_heads[n] = _repeat_heads(rw, local, n_rep, head_dim), rw.attention.heads_per_rank(rw, heads)
             rw.stats.kv_exchanged_unrepeated += 1
         else:
             kv[n] = _exchanged(rw, attn, n, heads, head_dim, seq_dim)
-            kv_heads[n] = 1 if int(rw.shape(n)[head_dim]) == 1 else heads // rw.sp_size
+            kv_heads[n] = 1 if int(rw.shape(n)[head_dim]) == 1 else rw.attention.heads_per_rank(rw, heads)
     q = _exchanged(rw, attn, attn.q, heads, head_dim, seq_dim)
     if program is not None:  # k and v must hold the same heads: repeat the one with fewer
         most = max(kv_heads.values())
@@ -242,9 +232,8 @@ def rewrite_manual_attention(rw: "SPRewrite", attn: ManualAttention) -> RuleResu
             if kv_heads[n] < most:
                 kv[n] = _repeat_heads(rw, kv[n], most // kv_heads[n], head_dim)
         out = emit_tiled_attention(rw, q, kv[attn.k], kv[attn.v], program, heads, rw.val(attn.q).device)  # [B, H/P, S, Dv]
-        rw.stats.all_to_all += 1
         rw.stats.manual_attention += 1
-        return _to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
+        return rw.attention.to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
     g = rw.graph
     value = g.call_function(torch.matmul, (q, g.call_function(torch.transpose, (kv[attn.k], -2, -1))))  # [B, H/P, S, S]
     prev = attn.first
@@ -254,9 +243,8 @@ def rewrite_manual_attention(rw: "SPRewrite", attn: ManualAttention) -> RuleResu
         value = rw.copy(step, fx.map_arg(step.args, local), fx.map_arg(step.kwargs, local))
         prev = step
     out = g.call_function(torch.matmul, (value, kv[attn.v]))  # [B, H/P, S, D]
-    rw.stats.all_to_all += 1
     rw.stats.manual_attention += 1
-    return _to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
+    return rw.attention.to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
 
 
 def _chain_program(rw: "SPRewrite", attn: ManualAttention, heads: int) -> Optional[ExtractedProgram]:

@@ -142,8 +142,8 @@ class ProgramBuilder:
     def finish(self, out: dict, out_dtype: torch.dtype) -> ExtractedProgram:
         heads = None
         if self._reshaped:  # leaves' dim -3 need not be the heads: narrow the terms that meet the scores instead
-            per_rank = self.heads // self.rw.sp_size
-            heads = [self.rw.sp_rank * per_rank, per_rank, self.heads]
+            scheme = self.rw.attention
+            heads = [scheme.first_head(self.rw, self.heads), scheme.heads_per_rank(self.rw, self.heads), self.heads]
             self.narrow = [False] * len(self.leaves)
         text = json.dumps({
             "instructions": self.instructions, "out": out, "leaf_axes": self.leaf_axes,
@@ -318,12 +318,12 @@ def leaf_values(rw: "SPRewrite", program: ExtractedProgram, heads: int) -> list[
     """The leaves' values in the new graph: whole (gathered where split); those holding every
     query head in dim ``-3`` narrowed to this rank's ``heads / sp_size`` (``[.., H, ., .] ->
     [.., H/P, ., .]``)."""
-    per_rank = heads // rw.sp_size
+    first, per_rank = rw.attention.first_head(rw, heads), rw.attention.heads_per_rank(rw, heads)
     out = []
     for leaf, narrow in zip(program.leaves, program.narrow):
         value = rw.redistribute.to_replicate(leaf)
         if narrow:
             dim = rw.val(leaf).dim() - 3
-            value = rw.graph.call_function(torch.narrow, (value, dim, rw.sp_rank * per_rank, per_rank))
+            value = rw.graph.call_function(torch.narrow, (value, dim, first, per_rank))
         out.append(value)
     return out
