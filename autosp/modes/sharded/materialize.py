@@ -175,12 +175,12 @@ def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
 
-def materialize_sharded(module: nn.Module, device: torch.device, policy: ShardingPolicy, src: int = 0) -> InitReport:
+def materialize_sharded(module: nn.Module, device: torch.device, policy: ShardingPolicy) -> InitReport:
     """Give the meta tensors of ``module`` their values with the model's own initialisers and
     shard its parameters by ``policy``, one unit (:func:`init_units`) at a time: a rank never
     holds more than one unit whole. Parameters held by several units (tied) or outside any unit
     are materialised with the first and left unsharded for the caller's
-    :func:`~autosp.modes.sharded.params.shard_module`. A collective (rank ``src``'s values everywhere)."""
+    :func:`~autosp.modes.sharded.params.shard_module`. A collective (rank 0's values everywhere)."""
     units = init_units(module)
     holders: dict[int, set[int]] = {}
     for index, unit in enumerate(units):
@@ -199,7 +199,7 @@ def materialize_sharded(module: nn.Module, device: torch.device, policy: Shardin
     for unit in units:
         materialize_meta(unit, device, fresh)
         report.largest_unit_bytes = max(report.largest_unit_bytes, _nbytes([*unit.parameters(), *unit.buffers()]))
-        broadcast_module(unit, src)
+        broadcast_module(unit, parameters=False)  # (sharding scatters rank 0's parameters)
         shard_parameters(unit, policy, keep=frozenset(id(fresh[k]) for k in shared if k in fresh))
         for k in [k for k in fresh if k not in shared]:  # the unit's whole tensors: sharded (or buffers, held)
             del fresh[k]

@@ -125,8 +125,9 @@ class Sharded(Mode):
             )
 
     def setup_module(self, module: nn.Module, precision: str, ddp: Callable[[nn.Module], nn.Module]) -> nn.Module:
-        """Rank 0's initial values everywhere (as DDP does), then every parameter a DTensor shard."""
-        broadcast_module(module)
+        """Rank 0's initial values everywhere (as DDP does): its buffers broadcast, every parameter a
+        DTensor shard of its values."""
+        broadcast_module(module, parameters=False)
         policy = self.policy(precision)
         n = shard_module(module, policy)
         dtypes = f", gathered in {policy.param_dtype}, reduced in {policy.reduce_dtype}" if policy.param_dtype else ""

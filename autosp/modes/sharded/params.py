@@ -122,14 +122,15 @@ def local_rows(rows: int, policy: ShardingPolicy) -> tuple[int, int]:
 
 
 def _shard(param: torch.Tensor, policy: ShardingPolicy, device: Optional[torch.device]) -> torch.Tensor:
-    """This rank's shard of ``param`` as a DTensor with storage of its own; a ``meta`` parameter
-    becomes an unfilled (NaN) shard on ``device``, for its values to be read in."""
+    """This rank's shard of rank 0's ``param`` as a DTensor with storage of its own (scattered by
+    ``distribute_tensor``: no rank receives more than its shard); a ``meta`` parameter becomes an
+    unfilled (NaN) shard on ``device``, for its values to be read in."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     placements = policy.placements(param)
     if not param.is_meta:
         with torch.no_grad():
-            dt = distribute_tensor(param.detach(), policy.mesh, placements, src_data_rank=None)
+            dt = distribute_tensor(param.detach(), policy.mesh, placements, src_data_rank=0)
             return DTensor.from_local(dt.to_local().clone(), policy.mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride())
     shape = param.shape
     if param.dim() > 0:
@@ -151,9 +152,9 @@ def shard_parameters(
     each parameter sharded to its DTensor, so that a parameter held by several modules stays one;
     parameters whose id is in ``keep`` are left for a later call, and parameters an earlier call
     sharded are left as they are.
-    ``meta`` parameters become unfilled shards on ``device``. All ranks must hold the same values
-    (the strategy broadcasts rank 0's first); each keeps a copy of its shard, so the full tensor
-    can be freed."""
+    ``meta`` parameters become unfilled shards on ``device``; the others take rank 0's values (a
+    collective: every rank calls it, with the same parameters). Each rank keeps a copy of its
+    shard, so the full tensor can be freed."""
     from torch.distributed.tensor import DTensor
 
     done = {} if done is None else done
@@ -225,9 +226,10 @@ def is_sharded(module: nn.Module) -> bool:
     return any(hasattr(type(m), "_autosp_original_class") for m in module.modules())
 
 
-def broadcast_module(module: nn.Module, src: int = 0) -> None:
-    """Give every rank ``src``'s parameters and buffers (in place); shards stay as they are."""
+def broadcast_module(module: nn.Module, src: int = 0, parameters: bool = True) -> None:
+    """Give every rank ``src``'s buffers and (with ``parameters``) parameters, in place; shards stay
+    as they are. Parameters about to be sharded need none: sharding scatters rank 0's."""
     with torch.no_grad():
-        for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
+        for t in {id(t): t for t in [*(module.parameters() if parameters else ()), *module.buffers()]}.values():
             if not getattr(t, "_autosp_shard", False):
                 dist.broadcast(t, src=src)
