@@ -336,7 +336,8 @@ def test_live_tiles_from_bounds_cover_every_unmasked_tile():
     document (Hugging Face's packed masks) bounds cannot tell tiles across a document boundary
     apart: a few more tiles, never fewer. A program with an op it has no bounds for (``remainder``)
     is probed element by element."""
-    from autosp.ops.tiled_attention import LIVE_NO_BIAS, ScoreProgram, _interval_live, _probe_block, live_tiles
+    from autosp.ops.live_tiles import LIVE_NO_BIAS, _interval_live, _probe_block, live_tiles
+    from autosp.ops.score_program import ScoreProgram
 
     seq, tile = 200, 16
     g = torch.Generator().manual_seed(4)
