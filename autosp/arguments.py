@@ -14,7 +14,7 @@ import torch
 
 from autosp.backend import AOT_BACKENDS, SUPPORTED_BACKENDS
 from autosp.modes.sharded.config import FSDPConfig
-from autosp.layout import validate_sp_size
+from autosp.layout import validate_sp_layout, validate_sp_size
 from autosp.passes.offload import OffloadConfig, parse_bytes
 from autosp.passes.sac import SACConfig
 from autosp.steps import StepConfig
@@ -28,8 +28,10 @@ def check_arguments(
     reduce_dtype: Optional[Union[str, torch.dtype]], pretrained: Optional[dict[str, str]], chunked_loss: Union[bool, int],
     tiled_attention: Union[bool, int] = True, strict: bool = False, activation_offload: Union[bool, str] = "auto",
     memory_budget: Optional[Union[int, float, str]] = None, tiled_mlp: Union[bool, int] = True,
+    sp_layout: Optional[Sequence[int]] = None,
 ) -> tuple[StepConfig, Optional[FSDPConfig]]:
     validate_sp_size(sp_size)
+    layout = None if sp_layout is None else validate_sp_layout(sp_layout, sp_size)
     if compile_backend not in SUPPORTED_BACKENDS:
         raise ValueError(f"AutoSPStrategy(compile_backend={compile_backend!r}): choose one of {list(SUPPORTED_BACKENDS)}.")
     if sac not in (True, False, "block"):
@@ -80,7 +82,14 @@ def check_arguments(
     offload = _offload_config(activation_offload, memory_budget, compile_backend)
     if sac == "block":
         sac_config = SACConfig(recompute=sac_config.recompute, memory_budget=sac_config.memory_budget, block=True)
-    step = StepConfig(compile_backend, sac_config if sac else None, seq_dim, loss_chunk, attention_tile, strict, offload, mlp_tile)
+    if layout is not None and layout[1] > 1 and attention_tile is None:
+        raise ValueError(
+            f"AutoSPStrategy(sp_layout={tuple(layout)}, tiled_attention=False): a ring level computes attention in the tiled "
+            "kernel, block by block; pass tiled_attention=True (or a tile size), or a layout without a ring."
+        )
+    step = StepConfig(
+        compile_backend, sac_config if sac else None, seq_dim, loss_chunk, attention_tile, strict, offload, mlp_tile, layout,
+    )
     return step, fsdp_config
 
 

@@ -145,6 +145,10 @@ class AutoSPBackend:
     mlp_tile: Optional[int] = None
     #: move saved activations to host memory after the partition (:mod:`autosp.passes.offload`)
     offload: Optional[OffloadConfig] = None
+    #: ``(ulysses, ring)``: how the SP group splits attention (None: from the heads, Ulysses up to
+    #: ``max_ulysses`` ranks; :func:`~autosp.passes.sequence_parallel.attention_layout`)
+    sp_layout: Optional[tuple[int, int]] = None
+    max_ulysses: Optional[int] = None
     pass_stats: list[SPPassStats] = field(default_factory=list)
     #: per forward and backward graph compiled with an AOT backend: the parameter collectives
     #: before and after bucketing
@@ -179,7 +183,7 @@ class AutoSPBackend:
         gm = sequence_parallel_pass(
             gm, example_inputs, sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=self.group_name, seq_dim=self.seq_dim,
             loss_chunk=self.loss_chunk, native_gqa=self.native_gqa, attention_tile=self.attention_tile,
-            strict=self.strict,
+            strict=self.strict, sp_layout=self.sp_layout, max_ulysses=self.max_ulysses,
         )
         gm.meta["autosp"].tiled_regions = len(regions)
         self.pass_stats.append(gm.meta["autosp"])

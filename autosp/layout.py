@@ -5,6 +5,11 @@ contiguous (``[k*sp_size, (k+1)*sp_size)``), so with ``devices`` processes per n
 ``devices % sp_size == 0`` an SP group never leaves a node - its all-to-alls stay on the
 fast intra-node links. The DP groups are the strided columns.
 
+Inside an SP group attention may run in two levels (:class:`AttentionLayout`): Ulysses over
+contiguous ranks (heads split) and a ring over strided ones (positions split, key/value blocks
+passed around), ``sp_size = ulysses * ring``; the ring's share of the positions is
+:func:`ring_segment`.
+
 It is also the one home of the sequence split: each SP rank holds ``chunk = ceil(S / sp_size)``
 consecutive tokens in rank order, and the last rank holds the rest (fewer when ``S`` is not
 divisible by ``sp_size``). The functions below work on ints, SymInts and sympy expressions
@@ -13,7 +18,9 @@ alike, so the collectives, the SP pass and the strategy all use them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -98,19 +105,125 @@ def validate_sp_size(sp_size: int | None) -> None:
         raise ValueError(f"AutoSPStrategy(sp_size={sp_size!r}): sp_size must be an integer >= 1 (or None for one SP group per node).")
 
 
-def validate_layout(sp_size: int, world_size: int, devices_per_node: int) -> SPLayout:
-    """Check that ``sp_size`` tiles the world and every node; raise a ``ValueError`` naming the fix."""
+def validate_layout(
+    sp_size: int, world_size: int, devices_per_node: int, sp_layout: Optional[tuple[int, int]] = None
+) -> SPLayout:
+    """Check that ``sp_size`` tiles the world and the nodes; raise a ``ValueError`` naming the fix.
+
+    An SP group lies inside a node (``sp_size`` divides the devices per node) or spans whole
+    nodes (a multiple of them): then Ulysses stays inside a node and a ring level joins the nodes
+    (:func:`choose_attention_layout`). ``sp_layout`` (``(ulysses, ring)``) must multiply to ``sp_size``."""
     validate_sp_size(sp_size)
     if world_size % sp_size:
-        valid = [d for d in range(1, world_size + 1) if world_size % d == 0 and devices_per_node % d == 0]
+        valid = [d for d in range(1, world_size + 1) if world_size % d == 0 and (devices_per_node % d == 0 or d % devices_per_node == 0)]
         raise ValueError(
             f"AutoSPStrategy(sp_size={sp_size}): the world size {world_size} is not divisible by sp_size. "
             f"Use an sp_size that divides it (valid here: {valid}) or change `devices`/`num_nodes`."
         )
-    if devices_per_node % sp_size:
-        valid = [d for d in range(1, devices_per_node + 1) if devices_per_node % d == 0]
+    if devices_per_node % sp_size and sp_size % devices_per_node:
+        valid = [d for d in range(1, world_size + 1) if world_size % d == 0 and (devices_per_node % d == 0 or d % devices_per_node == 0)]
         raise ValueError(
-            f"AutoSPStrategy(sp_size={sp_size}): devices per node ({devices_per_node}) is not divisible by sp_size, "
-            f"so an SP group would span nodes. Use an sp_size that divides the devices per node (valid: {valid})."
+            f"AutoSPStrategy(sp_size={sp_size}): an SP group must lie inside a node or span whole nodes, but the "
+            f"devices per node ({devices_per_node}) neither divide sp_size nor are divided by it, so an SP group would "
+            f"span part of a node. Use an sp_size that divides the devices per node or is a multiple of them "
+            f"(valid here: {valid})."
         )
+    if sp_layout is not None:
+        validate_sp_layout(sp_layout, sp_size)
     return SPLayout(world_size, sp_size)
+
+
+def validate_sp_layout(sp_layout: Any, sp_size: Optional[int]) -> tuple[int, int]:
+    """``sp_layout`` as ``(ulysses, ring)`` positive ints whose product is ``sp_size`` (when known)."""
+    ok = (
+        isinstance(sp_layout, (tuple, list)) and len(sp_layout) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in sp_layout)
+    )
+    if not ok:
+        raise ValueError(
+            f"AutoSPStrategy(sp_layout={sp_layout!r}): sp_layout must be (ulysses, ring), two integers >= 1 whose "
+            "product is sp_size, e.g. sp_layout=(4, 2) for sp_size=8 (YAML: `sp_layout: [4, 2]`); leave it None "
+            "to choose automatically."
+        )
+    ulysses, ring = int(sp_layout[0]), int(sp_layout[1])
+    if sp_size is not None and ulysses * ring != sp_size:
+        raise ValueError(
+            f"AutoSPStrategy(sp_layout={tuple(sp_layout)}): ulysses x ring = {ulysses * ring}, not sp_size={sp_size}. "
+            f"Layouts of sp_size={sp_size}: {[(d, sp_size // d) for d in range(sp_size, 0, -1) if sp_size % d == 0]}."
+        )
+    return ulysses, ring
+
+
+# ---------------------------------------------------------------------------- Ulysses x ring
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How an SP group of ``ulysses * ring`` ranks splits attention: Ulysses over ``ulysses``
+    contiguous SP ranks (heads), a ring over the ``ring`` strided ones (positions). SP rank
+    ``s`` is ``(ring_rank, ulysses_rank) = divmod(s, ulysses)``."""
+
+    ulysses: int
+    ring: int = 1
+
+    @property
+    def sp_size(self) -> int:
+        return self.ulysses * self.ring
+
+    def ring_rank(self, sp_rank: int) -> int:
+        return sp_rank // self.ulysses
+
+    def ulysses_rank(self, sp_rank: int) -> int:
+        return sp_rank % self.ulysses
+
+    def ulysses_group(self, sp_rank: int) -> list[int]:
+        """The SP ranks that exchange heads with ``sp_rank`` (contiguous)."""
+        start = self.ring_rank(sp_rank) * self.ulysses
+        return list(range(start, start + self.ulysses))
+
+    def ring_group(self, sp_rank: int) -> list[int]:
+        """The SP ranks that pass key/value blocks around a ring with ``sp_rank`` (strided)."""
+        return list(range(self.ulysses_rank(sp_rank), self.sp_size, self.ulysses))
+
+    def __str__(self) -> str:
+        return f"ulysses={self.ulysses} x ring={self.ring}"
+
+
+def attention_layouts(sp_size: int, heads: int) -> list[AttentionLayout]:
+    """Every layout of ``sp_size`` whose Ulysses degree divides ``heads``, most Ulysses first."""
+    return [AttentionLayout(u, sp_size // u) for u in range(sp_size, 0, -1) if sp_size % u == 0 and heads % u == 0]
+
+
+def choose_attention_layout(sp_size: int, heads: Sequence[int], max_ulysses: Optional[int] = None) -> AttentionLayout:
+    """The default layout: the largest Ulysses degree that divides ``sp_size``, every attention's
+    query ``heads`` and ``max_ulysses`` (the devices per node: Ulysses stays inside a node); the
+    ring takes the rest."""
+    limit = sp_size if max_ulysses is None else math.gcd(sp_size, max_ulysses)
+    best = 1
+    for u in range(1, sp_size + 1):
+        if sp_size % u == 0 and limit % u == 0 and all(h % u == 0 for h in heads):
+            best = u
+    return AttentionLayout(best, sp_size // best)
+
+
+def ring_chunk_sizes(seq_len, parts: int) -> list:
+    """``seq_len`` positions split into ``parts`` chunks in order, sizes differing by at most one
+    (the first ``seq_len % parts`` one longer); ints and SymInts alike."""
+    return [(seq_len + parts - 1 - i) // parts for i in range(parts)]
+
+
+def ring_segment(seq_len, ring: int, ring_rank: int, zigzag: bool = True) -> list:
+    """``[(start, stop), (start, stop)]``: the two chunks of the sequence ring rank ``ring_rank``
+    attends for, in position order. The sequence is cut into ``2 * ring`` chunks
+    (:func:`ring_chunk_sizes`); with ``zigzag`` (head-tail balancing) rank ``r`` holds chunks ``r``
+    and ``2*ring-1-r`` - under a causal mask every rank then has the same work - else chunks
+    ``2r`` and ``2r+1`` (contiguous: the last rank's queries read every key, the first's few)."""
+    sizes = ring_chunk_sizes(seq_len, 2 * ring)
+    starts = [sum(sizes[:i]) for i in range(2 * ring)]
+    picks = (ring_rank, 2 * ring - 1 - ring_rank) if zigzag else (2 * ring_rank, 2 * ring_rank + 1)
+    return [(starts[i], starts[i] + sizes[i]) for i in picks]
+
+
+def ring_segment_length(seq_len, ring: int, ring_rank: int, zigzag: bool = True):
+    """How many positions :func:`ring_segment` gives ring rank ``ring_rank`` (ints and SymInts)."""
+    sizes = ring_chunk_sizes(seq_len, 2 * ring)
+    picks = (ring_rank, 2 * ring - 1 - ring_rank) if zigzag else (2 * ring_rank, 2 * ring_rank + 1)
+    return sizes[picks[0]] + sizes[picks[1]]

@@ -10,8 +10,10 @@ the same order.
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,10 +56,20 @@ class SPGrid:
     global_rank: int
     _sp_size_arg: Optional[int]
     _device_mesh: Optional["DeviceMesh"]
+    _step_config: Any
 
     @property
     def sp_size(self) -> int:
-        return self._sp_size_arg if self._sp_size_arg is not None else max(self.num_processes, 1)
+        if self._sp_size_arg is not None:
+            return self._sp_size_arg
+        layout = self._step_config.sp_layout
+        return layout[0] * layout[1] if layout is not None else max(self.num_processes, 1)
+
+    @property
+    def sp_layout(self) -> Optional[tuple[int, int]]:
+        """``(ulysses, ring)`` as given, or ``None``: chosen per model at its first compile (the
+        largest Ulysses degree that divides the heads and stays inside a node; a ring for the rest)."""
+        return self._step_config.sp_layout
 
     @property
     def layout(self) -> SPLayout:
@@ -96,7 +108,11 @@ class SPGrid:
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
 
     def _validated_layout(self) -> SPLayout:
-        return validate_layout(self.sp_size, self.num_nodes * self.num_processes, self.num_processes)
+        return validate_layout(self.sp_size, self.num_nodes * self.num_processes, self.num_processes, self.sp_layout)
+
+    def _runner_config(self) -> Any:
+        """The step configuration with what the grid knows: Ulysses stays inside a node."""
+        return replace(self._step_config, max_ulysses=max(self.num_processes, 1))
 
     def _build_grid(self, device_type: str, timeout: Optional[timedelta], mode: "Mode") -> SPLayout:
         """The ``[dp, sp]`` mesh, then what ``mode`` holds parameters on; a collective: every rank."""
@@ -106,4 +122,12 @@ class SPGrid:
         return layout
 
     def _grid_summary(self, layout: SPLayout) -> str:
-        return f"AutoSP: {layout.world_size} processes as dp={layout.dp_size} x sp={layout.sp_size}; SP groups {layout.all_sp_groups()}"
+        if self.sp_layout is not None:
+            ulysses, ring = self.sp_layout
+            split = f"attention split as ulysses={ulysses} x ring={ring} (Ulysses on contiguous ranks, the ring strided)"
+        else:
+            split = (
+                f"attention split by Ulysses over up to {math.gcd(layout.sp_size, max(self.num_processes, 1))} ranks of a node where "
+                "the heads allow, a ring over the rest (chosen at the first compile, from the model's heads)"
+            )
+        return f"AutoSP: {layout.world_size} processes as dp={layout.dp_size} x sp={layout.sp_size}; SP groups {layout.all_sp_groups()}; {split}"

@@ -61,6 +61,10 @@ class StepConfig:
     offload: Optional[OffloadConfig] = None
     #: rows per tile of the MLPs (0: automatic, where it pays; None: off)
     mlp_tile: Optional[int] = 0
+    #: ``(ulysses, ring)``: how the SP group splits attention (None: chosen per graph from its heads)
+    sp_layout: Optional[tuple[int, int]] = None
+    #: the largest Ulysses degree an automatic layout takes (the devices per node; None: sp_size)
+    max_ulysses: Optional[int] = None
 
 
 class StepRunner:
@@ -88,7 +92,7 @@ class StepRunner:
         backend = AutoSPBackend(
             sp_size=self.sp_size, sp_rank=self.sp_rank, group_name=self.sp_group.group_name, seq_dim=cfg.seq_dim,
             backend=cfg.compile_backend, sac=cfg.sac, loss_chunk=cfg.loss_chunk, attention_tile=cfg.attention_tile,
-            strict=cfg.strict, offload=cfg.offload, mlp_tile=cfg.mlp_tile,
+            strict=cfg.strict, offload=cfg.offload, mlp_tile=cfg.mlp_tile, sp_layout=cfg.sp_layout, max_ulysses=cfg.max_ulysses,
         )
         self.backends[name] = backend
         compiled = torch.compile(fn, backend=backend)
@@ -214,6 +218,13 @@ class StepRunner:
                 "+ mask) @ v` with q, k, v laid out [B, H, S, D] (single-head [B, S, D] attention has no heads to "
                 "split; see the supported-models page for the steps allowed between the two matmuls)."
             )
+        layouts = sorted({g.layout for g in backend.pass_stats if g.attention})
+        if layouts and self.sp_size > 1:
+            how = "; ".join(
+                f"ulysses={u} x ring={r}" + (" (heads split over the SP group)" if r == 1 else " (heads over contiguous ranks, a ring of key/value blocks over strided ranks)")
+                for u, r in layouts
+            )
+            log.info("AutoSP: attention of %s at sp_size=%d runs as %s.", step, self.sp_size, how)
         tiled = sum(g.tiled_attention for g in backend.pass_stats)
         if tiled:
             log.info(

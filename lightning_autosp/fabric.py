@@ -69,7 +69,8 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     names (``sp_size``, ``compile_backend``, ``sac``, ``sac_recompute``, ``sac_memory_budget``,
     ``seq_dim``, ``fsdp``, ``param_dtype``, ``reduce_dtype``, ``pretrained`` - keyed by attribute of
     the module given to ``fabric.setup``, ``""`` for the module itself -, ``chunked_loss``,
-    ``tiled_attention``, ``strict``, ``activation_offload``, ``memory_budget``, ``tiled_mlp``) and
+    ``tiled_attention``, ``strict``, ``activation_offload``, ``memory_budget``, ``tiled_mlp``,
+    ``sp_layout``) and
     Fabric's DDP strategy's. Compile the loss computation with :meth:`compile_step`.
     """
 
@@ -91,6 +92,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         activation_offload: Union[bool, str] = "auto",
         memory_budget: Optional[Union[int, float, str]] = None,
         tiled_mlp: Union[bool, int] = True,
+        sp_layout: Optional[tuple[int, int]] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -104,7 +106,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         self._step_config, config = check_arguments(
             sp_size, compile_backend, sac, sac_recompute, sac_memory_budget, seq_dim, fsdp, param_dtype, reduce_dtype,
             pretrained, chunked_loss, tiled_attention, strict, activation_offload, memory_budget,
-            tiled_mlp,
+            tiled_mlp, sp_layout,
         )
         self._mode = make_mode(config, pretrained, rank_zero_info)
         self._mode.refuse_ddp_arguments(kwargs, fsdp)
@@ -134,7 +136,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         prepare_rank(self._start_method)  # (Fabric's modules are built after the launch, in each rank)
         super().setup_environment()
         layout = self._build_grid(self.root_device.type, self._timeout, self._mode)
-        self._runner = StepRunner(self._step_config, self.sp_size, self.sp_rank, self.sp_group, self.root_device)
+        self._runner = StepRunner(self._runner_config(), self.sp_size, self.sp_rank, self.sp_group, self.root_device)
         rank_zero_info(self._grid_summary(layout))
 
     # ------------------------------------------------------------------ the compiled step

@@ -48,10 +48,11 @@ _COMPILED_STEPS = ("training_step", "validation_step", "test_step", "predict_ste
 
 
 class AutoSPStrategy(SPGrid, DDPStrategy):
-    """Sequence parallelism (DeepSpeed-Ulysses) applied by a compiler pass, on top of DDP.
+    """Sequence parallelism (DeepSpeed-Ulysses, with a ring level where the heads or a node run
+    out) applied by a compiler pass, on top of DDP.
 
-    The world is a ``(dp, sp)`` grid: each SP group of ``sp_size`` contiguous ranks (inside one
-    node) splits every sequence of its batch; SP groups are data-parallel replicas that see
+    The world is a ``(dp, sp)`` grid: each SP group of ``sp_size`` contiguous ranks splits every
+    sequence of its batch; SP groups are data-parallel replicas that see
     disjoint samples. In ``setup`` the module's ``training_step``, ``validation_step``,
     ``test_step`` and ``predict_step`` are compiled with the AutoSP backend, which rewrites the Dynamo graph (all-to-all around every
     ``F.scaled_dot_product_attention``, positions, label shifts and losses made right for each
@@ -61,8 +62,15 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     them (a graph break each, not a recompile per step).
 
     Args:
-        sp_size: ranks per SP group. Must divide the devices per node (and so the world size).
-            ``None`` uses one SP group per node (``sp_size = devices``).
+        sp_size: ranks per SP group: a divisor of the devices per node, or a multiple of them (an SP
+            group across nodes). ``None`` uses one SP group per node (``sp_size = devices``), or
+            ``ulysses * ring`` of ``sp_layout``. Attention splits its heads over up to a node's
+            ranks where they divide (Ulysses) and passes key/value blocks around a ring over the
+            rest, so any ``sp_size`` works for any head count (28 heads at ``sp_size=8``:
+            ``ulysses=4 x ring=2``); the layout is logged at the first compile.
+        sp_layout: ``(ulysses, ring)``, overriding the automatic layout: Ulysses over ``ulysses``
+            contiguous ranks (must divide the query heads), a ring over ``ring`` strided ranks;
+            ``ulysses * ring`` is the SP group. YAML: ``sp_layout: [4, 2]``.
         compile_backend: the ``torch.compile`` backend run after the SP pass: ``"inductor"``
             (default), ``"aot_eager"`` (fast to compile, used by the tests) or ``"eager"`` (eager
             autograd: needs ``sac=False``).
@@ -161,6 +169,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         activation_offload: Union[bool, str] = "auto",
         memory_budget: Optional[Union[int, float, str]] = None,
         tiled_mlp: Union[bool, int] = True,
+        sp_layout: Optional[tuple[int, int]] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -178,7 +187,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         self._step_config, config = check_arguments(
             sp_size, compile_backend, sac, sac_recompute, sac_memory_budget, seq_dim, fsdp, param_dtype, reduce_dtype,
             pretrained, chunked_loss, tiled_attention, strict, activation_offload, memory_budget,
-            tiled_mlp,
+            tiled_mlp, sp_layout,
         )
         self._mode = make_mode(config, pretrained, rank_zero_info)
         self._mode.refuse_ddp_arguments(
@@ -347,7 +356,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         module = self.lightning_module
         assert module is not None
         if self._runner is None:
-            self._runner = StepRunner(self._step_config, self.sp_size, self.sp_rank, self.sp_group, self.root_device)
+            self._runner = StepRunner(self._runner_config(), self.sp_size, self.sp_rank, self.sp_group, self.root_device)
         prepare_for_compile(module)
         for name in _COMPILED_STEPS:
             if name not in module.__dict__:  # (compiled already by an earlier stage)

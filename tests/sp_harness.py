@@ -377,6 +377,7 @@ def run_fit(
     tiled_mlp: Any = True,
     activation_offload: Any = "auto",
     strategy: Any = None,
+    sp_layout: Any = None,
 ) -> Run:
     """Fit on ``devices`` CPU processes (started by ``start_method``); ``sp_size=None`` means
     plain DDP (``ddp_unshared``: with :class:`Unshared`; ``distributed_sampler=False``: every
@@ -393,7 +394,7 @@ def run_fit(
         strategy = AutoSPStrategy(
             sp_size=sp_size, compile_backend=backend, start_method=start_method, sac=sac, fsdp=fsdp, chunked_loss=chunked_loss,
             pretrained=pretrained, tiled_attention=tiled_attention, tiled_mlp=tiled_mlp,
-            activation_offload=activation_offload,
+            activation_offload=activation_offload, sp_layout=sp_layout,
         )
     trainer = L.Trainer(
         accelerator="cpu",

@@ -95,8 +95,8 @@ def test_the_scheme_decides_the_head_split_and_names_are_checked():
     _registered(NoHeadSplit())
     with pytest.raises(AutoSPError, match=r"this scheme splits no heads"):
         sequence_parallel_pass(capture(make_model("gpt"), *batch()), sp_size=2, sp_rank=1, group_name="unused", attention_scheme="test_no_head_split")
-    with pytest.raises(AutoSPError, match=r"attention_scheme='ring': choose one of \[.*'ulysses'.*\]"):
-        sequence_parallel_pass(capture(make_model("gpt"), *batch()), sp_size=2, sp_rank=1, group_name="unused", attention_scheme="ring")
+    with pytest.raises(AutoSPError, match=r"attention_scheme='nonexistent': choose one of \[.*'ulysses'.*\]"):
+        sequence_parallel_pass(capture(make_model("gpt"), *batch()), sp_size=2, sp_rank=1, group_name="unused", attention_scheme="nonexistent")
 
 
 def test_sac_and_the_accounting_ask_the_schemes():

@@ -68,6 +68,48 @@ def test_uneven_all_to_all_and_its_adjoint(tmp_path, world, seq_len, batch):
     assert not torch.allclose(results[0]["grad"], weight.narrow(2, 0, results[0]["count"]))
 
 
+def _ring_exchange_rank(rank: int, world: int, seq_len: int, batch: int, ring: int, zigzag: bool) -> dict:
+    """The exchange of a ``ulysses x ring`` SP group: this rank's positions with every head in,
+    its head group over its ring segment out; back with the adjoint."""
+    from autosp.layout import ring_segment
+
+    group, ulysses = dist.group.WORLD.group_name, world // ring
+    x_full = _global(0, batch, H, seq_len, D)
+    start, count = sum(seq_split_sizes(seq_len, world)[:rank]), seq_split_sizes(seq_len, world)[rank]
+    x = x_full.narrow(2, start, count).clone().requires_grad_(True)  # [B, H, S_r, D]
+    send = x.unflatten(1, (ulysses, H // ulysses)).permute(1, 0, 3, 2, 4).contiguous()  # [U, B, S_r, H/U, D]
+    heads = ops.ring_seq_gather(send, 1, group, seq_len, rank, ring, zigzag).transpose(1, 2)  # [B, H/U, L, D]
+    back = ops.ring_seq_scatter(heads.transpose(1, 2), 1, group, world, seq_len, rank, ring, zigzag)
+    back = back.permute(1, 0, 3, 2, 4).flatten(1, 2)  # [B, H, S_r, D]
+    segment = ring_segment(seq_len, ring, rank // ulysses, zigzag)
+    positions = torch.cat([torch.arange(a, b) for a, b in segment])
+    weight, weight_back = _global(1, batch, H, seq_len, D), _global(2, batch, H, seq_len, D)
+    first = (rank % ulysses) * (H // ulysses)
+    loss = (heads * weight.narrow(1, first, H // ulysses)[:, :, positions]).sum() + (back * weight_back.narrow(2, start, count)).sum()
+    loss.backward()
+    return {"heads": heads.detach(), "back": back.detach(), "grad": x.grad, "start": start, "count": count, "positions": positions, "first": first}
+
+
+@pytest.mark.parametrize("world,ring,seq_len,zigzag", [(4, 2, 31, True), (4, 4, 37, True), (3, 3, 20, True), (4, 2, 30, False)])
+def test_ring_exchange_and_its_adjoint(tmp_path, world, ring, seq_len, zigzag):
+    """Each rank receives its head group for exactly the positions of its ring segment (head and
+    tail chunks, in position order; lengths not divisible by the SP or ring split), and the
+    reverse exchange and the gradients are the single device's."""
+    results = spawn(tmp_path, _ring_exchange_rank, world, seq_len, 2, ring, zigzag)
+    x_full, weight, weight_back = (_global(seed, 2, H, seq_len, D) for seed in range(3))
+    per = H // (world // ring)
+    for res in results:
+        torch.testing.assert_close(res["heads"], x_full.narrow(1, res["first"], per)[:, :, res["positions"]], rtol=0, atol=0)
+        torch.testing.assert_close(res["back"], x_full.narrow(2, res["start"], res["count"]), rtol=0, atol=0)
+        expected = weight.narrow(2, res["start"], res["count"]) + weight_back.narrow(2, res["start"], res["count"])
+        torch.testing.assert_close(res["grad"], expected, rtol=0, atol=0)
+    assert sorted(p for res in results[:: world // ring] for p in res["positions"].tolist()) == list(range(seq_len))
+    # negative control: the positions in plain order are not what a head-tail segment holds
+    if zigzag:
+        ordered = x_full.narrow(1, results[0]["first"], per)[:, :, : results[0]["positions"].numel()]
+        assert not torch.allclose(results[0]["heads"], ordered)
+
+
 def _windows_rank(rank: int, world: int, seq_len: int, offset: int, length: int, outer: int, inner: int) -> dict:
     """Slice a (possibly shifted, possibly flattened) sequence axis to this rank and gather it back."""
     group = dist.group.WORLD.group_name

@@ -108,14 +108,14 @@ class Probe(nn.Module):
 
 
 class OneRow(torch.utils.data.Dataset):
-    """One packed row of three documents; only the middle one has targets."""
+    """One packed row of three documents (``docs``); only the middle one has targets."""
 
-    def __init__(self):
+    def __init__(self, docs=DOCS):
         g = torch.Generator().manual_seed(3)
         self.ids = torch.randint(0, 64, (31,), generator=g)
-        self.pos = torch.cat([torch.arange(b - a) for a, b in DOCS])
+        self.pos = torch.cat([torch.arange(b - a) for a, b in docs])
         self.labels = torch.full((31,), -100)
-        a, b = DOCS[1]
+        a, b = docs[1]
         self.labels[a + 1 : b] = self.ids[a + 1 : b]  # a document's first token is no target (as Hugging Face's flattening collator sets it)
 
     def __len__(self):

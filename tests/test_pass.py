@@ -118,10 +118,13 @@ def test_hand_written_attention_with_an_unknown_step_runs_replicated():
     assert any("matmul" in f for f in stats.fallbacks)
 
 
-def test_heads_not_divisible_is_an_error():
+def test_heads_not_divisible_go_to_a_ring_or_are_an_error():
+    """4 heads at sp_size=3: a ring of 3 by default; refused when the layout asks Ulysses for all 3."""
+    out = sequence_parallel_pass(capture(make_model("gpt"), *batch(18)), sp_size=3, sp_rank=0, group_name="unused")
+    assert out.meta["autosp"].layout == (1, 3) and out.meta["autosp"].ring_attention == 2
     gm = capture(make_model("gpt"), *batch(18))
     with pytest.raises(AutoSPError, match=r"4 attention heads.*not divisible by sp_size=3"):
-        sequence_parallel_pass(gm, sp_size=3, sp_rank=0, group_name="unused")
+        sequence_parallel_pass(gm, sp_size=3, sp_rank=0, group_name="unused", sp_layout=(3, 1))
 
 
 @pytest.mark.parametrize("seq_len,fits", [(8, False), (12, True)])

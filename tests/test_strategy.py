@@ -26,11 +26,26 @@ def test_world_size_not_divisible():
         Trainer(accelerator="cpu", devices=3, strategy=AutoSPStrategy(sp_size=2), logger=False)
 
 
-def test_sp_group_must_stay_in_a_node(monkeypatch):
-    with pytest.raises(ValueError, match=r"devices per node \(4\) is not divisible by sp_size.*span nodes.*valid: \[1, 2, 4\]"):
-        validate_layout(sp_size=8, world_size=16, devices_per_node=4)
-    with pytest.raises(ValueError, match=r"devices per node \(2\) is not divisible by sp_size"):
-        Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=AutoSPStrategy(sp_size=4), logger=False)
+def test_sp_groups_lie_in_a_node_or_span_whole_nodes():
+    """An SP group inside a node, or over whole nodes (Ulysses inside, a ring across); never part of one."""
+    assert validate_layout(sp_size=8, world_size=16, devices_per_node=4).all_sp_groups() == [list(range(8)), list(range(8, 16))]
+    with pytest.raises(ValueError, match=r"devices per node \(4\) neither divide sp_size nor are divided by it.*valid here: \[1, 2, 4, 8, 12, 24\]"):
+        validate_layout(sp_size=6, world_size=24, devices_per_node=4)
+    with pytest.raises(ValueError, match=r"neither divide sp_size nor are divided by it"):
+        Trainer(accelerator="cpu", devices=4, num_nodes=3, strategy=AutoSPStrategy(sp_size=6), logger=False)
+    strategy = AutoSPStrategy(sp_layout=(2, 4))
+    assert strategy.sp_size == 8 and strategy.sp_layout == (2, 4)
+
+
+def test_attention_layouts():
+    from autosp.layout import AttentionLayout, choose_attention_layout
+
+    assert choose_attention_layout(8, [28], max_ulysses=8) == AttentionLayout(4, 2)  # Qwen2.5-7B on one node
+    assert choose_attention_layout(32, [32], max_ulysses=8) == AttentionLayout(8, 4)  # Llama-3.1-8B on four nodes
+    assert choose_attention_layout(4, [32, 32]) == AttentionLayout(4, 1)  # heads that divide: Ulysses alone
+    assert choose_attention_layout(2, [3]) == AttentionLayout(1, 2)
+    layout = AttentionLayout(2, 4)
+    assert layout.ulysses_group(5) == [4, 5] and layout.ring_group(5) == [1, 3, 5, 7] and (layout.ring_rank(5), layout.ulysses_rank(5)) == (2, 1)
 
 
 def test_layout_contiguous_sp_groups():
@@ -64,11 +79,15 @@ def test_slurm_two_nodes_four_tasks(monkeypatch):
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
 
 
-def test_slurm_sp_size_spanning_nodes_fails(monkeypatch):
+def test_slurm_sp_size_spanning_nodes(monkeypatch):
+    """sp_size=8 over two SLURM nodes of 4 is one SP group across both (a ring joins them);
+    sp_size=2 x 3 would not tile the world, and is refused before any process starts."""
     for k, v in SLURM_ENV.items():
         monkeypatch.setenv(k, v)
-    with pytest.raises(ValueError, match="would span nodes"):
-        Trainer(accelerator="cpu", devices=4, num_nodes=2, strategy=AutoSPStrategy(sp_size=8), logger=False)
+    trainer = Trainer(accelerator="cpu", devices=4, num_nodes=2, strategy=AutoSPStrategy(sp_size=8), logger=False)
+    assert trainer.strategy._validated_layout().all_sp_groups() == [list(range(8))]
+    with pytest.raises(ValueError, match=r"world size 8 is not divisible by sp_size"):
+        Trainer(accelerator="cpu", devices=4, num_nodes=2, strategy=AutoSPStrategy(sp_layout=(2, 3)), logger=False)
 
 
 def test_sampler_same_inside_sp_group_disjoint_across_dp():

@@ -14,6 +14,10 @@ op                    forward                     backward
                       ``[.., S, ..]``
 ``seq_scatter``       ``[.., S, ..]`` ->          ``seq_gather``
                       ``[P, .., S_r, ..]``
+``ring_seq_gather``   ``[U, .., S_r, ..]`` ->     ``ring_seq_scatter``
+                      ``[.., S/R, ..]``
+``ring_seq_scatter``  ``[.., S/R, ..]`` ->        ``ring_seq_gather``
+                      ``[U, .., S_r, ..]``
 ``all_reduce``        sum over the group          ``all_reduce`` (sum)
 ``group_ratio``       ``sum(num) / sum(den)``     ``group_ratio_backward``: both
                       over the group              partials, summed over the group
@@ -30,9 +34,9 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autosp._compat import all_gather_single, reduce_scatter_single
-from autosp.layout import seq_split_sizes
+from autosp.layout import ring_segment, ring_segment_length, seq_split_sizes
 
-__all__ = ["seq_gather", "seq_scatter", "all_reduce", "group_ratio", "group_ratio_backward", "all_gather", "reduce_scatter"]
+__all__ = ["seq_gather", "seq_scatter", "ring_seq_gather", "ring_seq_scatter", "all_reduce", "group_ratio", "group_ratio_backward", "all_gather", "reduce_scatter"]
 
 _NS = "autosp"
 
@@ -134,6 +138,133 @@ def _seq_scatter_setup(ctx, inputs, output):
 
 seq_gather.register_autograd(_seq_gather_backward, setup_context=_seq_gather_setup)
 seq_scatter.register_autograd(_seq_scatter_backward, setup_context=_seq_scatter_setup)
+
+
+# --------------------------------------------------------------------------- ring_seq_gather / ring_seq_scatter
+def _overlap(lo: int, hi: int, spans: list) -> list[tuple[int, int]]:
+    """The parts of positions ``[lo, hi)`` inside ``spans`` (each ``(start, stop)``), in order."""
+    return [(max(lo, a), min(hi, b)) for a, b in spans if min(hi, b) > max(lo, a)]
+
+
+def _ring_routes(seq_len: int, group_size: int, ring: int, zigzag: bool, rank: int):
+    """Where the tokens go between the SP split and the ring's: ``(window, out, into)`` for SP rank
+    ``rank``: its positions ``[start, stop)``; per SP rank ``d``, the spans of them ``d`` attends
+    for (its ring segment, :func:`~autosp.layout.ring_segment`); per SP rank ``j``, the spans of
+    ``j``'s positions this rank attends for. All in position order."""
+    ulysses = group_size // ring
+    sizes = seq_split_sizes(seq_len, group_size)
+    starts = [sum(sizes[:j]) for j in range(group_size)]
+    lo, hi = starts[rank], starts[rank] + sizes[rank]
+    segments = [ring_segment(seq_len, ring, i, zigzag) for i in range(ring)]
+    out = [_overlap(lo, hi, segments[d // ulysses]) for d in range(group_size)]
+    into = [_overlap(starts[j], starts[j] + sizes[j], segments[rank // ulysses]) for j in range(group_size)]
+    return (lo, hi), out, into
+
+
+def _per_token(like: torch.Tensor, seq_dim: int) -> int:
+    """Elements per position of a tensor whose positions run along ``seq_dim``."""
+    return math.prod(n for i, n in enumerate(like.shape) if i != seq_dim)
+
+
+def _piece_shape(like: torch.Tensor, seq_dim: int, n: int) -> list[int]:
+    shape = list(like.shape)
+    shape[seq_dim] = n
+    return shape
+
+
+@torch.library.custom_op(f"{_NS}::ring_seq_gather", mutates_args=())
+def ring_seq_gather(send: torch.Tensor, seq_dim: int, group_name: str, seq_len: int, rank: int, ring: int, zigzag: bool) -> torch.Tensor:
+    """Ulysses' exchange for an SP group laid out as ``ulysses x ring`` (``send`` is ``[U, *piece]``:
+    ``send[u]``, this rank's tokens of head group ``u``, goes to the ranks of Ulysses rank ``u``).
+    The result is this rank's head group for the positions of its ring segment
+    (:func:`~autosp.layout.ring_segment`: two chunks of the sequence, head and tail with
+    ``zigzag``), in position order along ``seq_dim`` of the piece. One all-to-all over the SP group:
+    the positions a rank holds (:func:`~autosp.layout.seq_split_sizes`) are in one or two ring
+    segments, and each part goes to the ranks attending for it. ``ring=1`` is :func:`seq_gather`."""
+    ulysses = send.shape[0]
+    group_size = ulysses * ring
+    (lo, _), out, into = _ring_routes(seq_len, group_size, ring, zigzag, rank)
+    parts = [send[d % ulysses].narrow(seq_dim, a - lo, b - a).reshape(-1) for d in range(group_size) for a, b in out[d]]
+    per_token = _per_token(send[0], seq_dim)
+    send_counts = [sum(b - a for a, b in out[d]) * per_token for d in range(group_size)]
+    pieces = [b - a for j in range(group_size) for a, b in into[j]]
+    recv = send.new_empty(sum(pieces) * per_token)
+    flat = torch.cat(parts) if parts else send.new_empty(0)
+    dist.all_to_all_single(
+        recv, flat, output_split_sizes=[sum(b - a for a, b in into[j]) * per_token for j in range(group_size)],
+        input_split_sizes=send_counts, group=_group(group_name),
+    )
+    like = send[0]
+    chunks = [r.view(_piece_shape(like, seq_dim, n)) for r, n in zip(recv.split([n * per_token for n in pieces]), pieces)]
+    return torch.cat(chunks, dim=seq_dim)
+
+
+@ring_seq_gather.register_fake
+def _(send, seq_dim, group_name, seq_len, rank, ring, zigzag):
+    shape = list(send.shape[1:])
+    shape[seq_dim] = ring_segment_length(seq_len, ring, rank // send.shape[0], zigzag)
+    return send.new_empty(shape)
+
+
+@torch.library.custom_op(f"{_NS}::ring_seq_scatter", mutates_args=())
+def ring_seq_scatter(
+    x: torch.Tensor, seq_dim: int, group_name: str, group_size: int, seq_len: int, rank: int, ring: int, zigzag: bool
+) -> torch.Tensor:
+    """The adjoint of :func:`ring_seq_gather`: ``x`` holds this rank's head group for the positions
+    of its ring segment (along ``seq_dim``); each position goes back to the SP rank holding it. The
+    result is ``[U, *piece]``: ``result[u]`` is this rank's positions of head group ``u``."""
+    ulysses = group_size // ring
+    (lo, hi), out, into = _ring_routes(seq_len, group_size, ring, zigzag, rank)
+    segment = ring_segment(seq_len, ring, rank // ulysses, zigzag)
+
+    def local(p: int) -> int:  # a position of the segment -> its index in x
+        (a0, b0), (a1, _) = segment
+        return p - a0 if p < b0 else (b0 - a0) + (p - a1)
+
+    per_token = _per_token(x, seq_dim)
+    parts = [x.narrow(seq_dim, local(a), b - a).reshape(-1) for j in range(group_size) for a, b in into[j]]
+    flat = torch.cat(parts) if parts else x.new_empty(0)
+    result = x.new_empty((ulysses, *_piece_shape(x, seq_dim, hi - lo)))
+    recv_counts = [sum(b - a for a, b in out[d]) * per_token for d in range(group_size)]
+    recv = x.new_empty(sum(recv_counts))
+    dist.all_to_all_single(
+        recv, flat, output_split_sizes=recv_counts,
+        input_split_sizes=[sum(b - a for a, b in into[j]) * per_token for j in range(group_size)], group=_group(group_name),
+    )
+    pieces = [(d, a, b) for d in range(group_size) for a, b in out[d]]
+    for (d, a, b), r in zip(pieces, recv.split([(b - a) * per_token for _, a, b in pieces])):
+        result[d % ulysses].narrow(seq_dim, a - lo, b - a).copy_(r.view(_piece_shape(x, seq_dim, b - a)))
+    return result
+
+
+@ring_seq_scatter.register_fake
+def _(x, seq_dim, group_name, group_size, seq_len, rank, ring, zigzag):
+    shape = list(x.shape)
+    shape[seq_dim] = seq_split_sizes(seq_len, group_size)[rank]
+    return x.new_empty((group_size // ring, *shape))
+
+
+def _ring_seq_gather_setup(ctx, inputs, output):
+    send, ctx.seq_dim, ctx.group_name, ctx.seq_len, ctx.rank, ctx.ring, ctx.zigzag = inputs
+    ctx.group_size = send.shape[0] * ctx.ring
+
+
+def _ring_seq_gather_backward(ctx, grad):
+    back = ring_seq_scatter(grad, ctx.seq_dim, ctx.group_name, ctx.group_size, ctx.seq_len, ctx.rank, ctx.ring, ctx.zigzag)
+    return back, None, None, None, None, None, None
+
+
+def _ring_seq_scatter_setup(ctx, inputs, output):
+    _, ctx.seq_dim, ctx.group_name, _, ctx.seq_len, ctx.rank, ctx.ring, ctx.zigzag = inputs
+
+
+def _ring_seq_scatter_backward(ctx, grad):
+    back = ring_seq_gather(grad, ctx.seq_dim, ctx.group_name, ctx.seq_len, ctx.rank, ctx.ring, ctx.zigzag)
+    return back, None, None, None, None, None, None, None
+
+
+ring_seq_gather.register_autograd(_ring_seq_gather_backward, setup_context=_ring_seq_gather_setup)
+ring_seq_scatter.register_autograd(_ring_seq_scatter_backward, setup_context=_ring_seq_scatter_setup)
 
 
 # --------------------------------------------------------------------------- all_reduce

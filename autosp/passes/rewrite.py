@@ -65,6 +65,10 @@ class SPPassStats:
     #: attention calls (of either form) whose mask or score terms run per tile in
     #: :func:`~autosp.ops.tiled_attention.tiled_attention`: no ``S x S`` tensor exists for them
     tiled_attention: int = 0
+    #: attention calls computed by the ring level (:mod:`autosp.ops.ring_attention`)
+    ring_attention: int = 0
+    #: how the SP group split attention: ``(ulysses, ring)``
+    layout: tuple[int, int] = (1, 1)
     #: attention calls that keep a dense ``S x S`` mask or scores on every rank, with the mask's
     #: size at the compiled length and why it could not be tiled (reported as a warning)
     dense_masks: list[str] = field(default_factory=list)
@@ -96,9 +100,12 @@ class SPRewrite:
     def __init__(
         self, gm: fx.GraphModule, sp_size: int, sp_rank: int, group_name: str, seq: sympy.Symbol, loss_chunk: Optional[int] = 0,
         kv_before_repeat: bool = True, native_gqa: Optional[bool] = None, seq_offset: int = 0,
-        attention_tile: Optional[int] = 0, attention: Optional["AttentionScheme"] = None,
+        attention_tile: Optional[int] = 0, attention: Optional["AttentionScheme"] = None, ring: int = 1, zigzag: bool = True,
     ):
         self.gm = gm
+        #: ring ranks of the SP group (``sp_size / ring`` ranks split the heads) and whether the
+        #: ring's segments are head-tail (:func:`~autosp.layout.ring_segment`)
+        self.ring, self.zigzag = ring, zigzag
         #: how each attention is parallelised (:mod:`autosp.passes.attention_schemes`; default Ulysses)
         self.attention: "AttentionScheme" = attention if attention is not None else _default_scheme()
         #: rows per chunk of the fused vocabulary projection and loss (0: automatic, None: off)
@@ -119,7 +126,7 @@ class SPRewrite:
         self.graph = fx.Graph()
         self.new_value: dict[fx.Node, Any] = {}
         self.placements: dict[fx.Node, Any] = {}
-        self.stats = SPPassStats(seq_symbol=str(seq), seq_offset=seq_offset)
+        self.stats = SPPassStats(seq_symbol=str(seq), seq_offset=seq_offset, layout=(sp_size // ring, ring))
         self.mutations: set[fx.Node] = set()  # new-graph nodes that mutate a tensor in place
         #: old node -> the hand-written attention chain it belongs to (filled by the driver)
         self.manual: dict[fx.Node, Any] = {}

@@ -47,14 +47,19 @@ from autosp.passes.chunks import merge_row_chunks
 from autosp.passes.inplace import mutated_input, visit_inplace
 from autosp.passes.placement import RANK_LOCAL, hinted_bytes, is_tensor, shape_exprs
 from autosp.passes.rewrite import SPPassStats, SPRewrite
+from autosp.layout import AttentionLayout, choose_attention_layout, validate_sp_layout
 from autosp.passes.attention_schemes import DEFAULT_SCHEME, AttentionScheme, get_scheme
+from autosp.passes.attention_schemes.ring import RING_ATTENTION
 from autosp.passes.attention_schemes.ulysses import SEQ_GATHER, SEQ_SCATTER
 from autosp.passes.sp_rules import SDPA, lookup
 from autosp.passes.sp_rules.attention import TILED_ATTENTION
 from autosp.passes.sp_rules.expert_dispatch import emit_dispatch, match_dispatch, starts_dispatch
 from autosp.passes.sp_rules.manual_attention import expected_all_to_alls, find_manual_attention, rewrite_manual_attention
 
-__all__ = ["sequence_parallel_pass", "SPPassStats", "SPRewrite", "find_sequence_symbol", "attention_offset", "SDPA", "SEQ_GATHER", "SEQ_SCATTER"]
+__all__ = [
+    "sequence_parallel_pass", "SPPassStats", "SPRewrite", "find_sequence_symbol", "attention_offset", "attention_layout",
+    "attention_heads", "SDPA", "SEQ_GATHER", "SEQ_SCATTER",
+]
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +140,27 @@ def _unrelated_length(node: fx.Node, q: fx.Node, length: sympy.Expr, seq: sympy.
         + "Slice the batch relative to its length (`tokens[:, :-1]`, `tokens[:, 1:]`), not up to a fixed "
         "position (`tokens[:, :block_size]`): cut the batch to its length in the data pipeline instead."
     )
+
+
+def attention_heads(gm: fx.GraphModule) -> list[int]:
+    """The query heads of every attention of ``gm`` whose heads are static (SDPA and hand-written)."""
+    out = []
+    for node, q, _ in _attention_lengths(gm):
+        shape = shape_exprs(q.meta["example_value"])
+        if len(shape) >= 3 and shape[-3].is_Integer:
+            out.append(int(shape[-3]))
+    return out
+
+
+def attention_layout(
+    gm: fx.GraphModule, sp_size: int, sp_layout: Optional[tuple[int, int]] = None, max_ulysses: Optional[int] = None
+) -> AttentionLayout:
+    """How the SP group splits the attention of ``gm``: ``sp_layout`` as given, or the default for
+    its heads (:func:`~autosp.layout.choose_attention_layout`)."""
+    if sp_layout is not None:
+        ulysses, ring = validate_sp_layout(sp_layout, sp_size)
+        return AttentionLayout(ulysses, ring)
+    return choose_attention_layout(sp_size, attention_heads(gm), max_ulysses)
 
 
 def _run(rw: SPRewrite) -> fx.Graph:
@@ -256,12 +282,18 @@ def _check_postcondition(graph: fx.Graph, stats: SPPassStats, manual_all_to_alls
         if not all(scheme.reads_exchanged(a) for a in n.args[:3]) or not all(scheme.writes_exchanged(u) for u in n.users):
             raise AutoSPError(f"internal: attention {n.name} was not fully rewritten for sequence parallelism")
     tiled = graph.find_nodes(op="call_function", target=TILED_ATTENTION)
-    for n in tiled:  # its output reaches the exchange through getitem 0
+    ring = graph.find_nodes(op="call_function", target=RING_ATTENTION)
+    for n in (*tiled, *ring):  # its output reaches the exchange through getitem 0
         outputs = [v for u in n.users for v in u.users]
         if not all(scheme.reads_exchanged(a) for a in n.args[:3]) or not outputs or not all(scheme.writes_exchanged(v) for v in outputs):
             raise AutoSPError(f"internal: tiled attention {n.name} was not fully rewritten for sequence parallelism")
-    if len(tiled) != stats.tiled_attention:
-        raise AutoSPError(f"internal: {len(tiled)} tiled attention ops for {stats.tiled_attention} tiled attention calls")
+    if len(tiled) != stats.tiled_attention or len(ring) != stats.ring_attention:
+        raise AutoSPError(
+            f"internal: {len(tiled)} tiled and {len(ring)} ring attention ops for {stats.tiled_attention} tiled and "
+            f"{stats.ring_attention} ring attention calls"
+        )
+    if scheme.owns_attention and stats.ring_attention != stats.attention:
+        raise AutoSPError(f"internal: {stats.attention} attention calls, {stats.ring_attention} of them in the ring kernel")
     if stats.all_to_all != 4 * stats.sdpa + manual_all_to_alls:
         raise AutoSPError(
             f"internal: {stats.all_to_all} all-to-alls for {stats.sdpa} attention calls (4 each) and "
@@ -298,7 +330,10 @@ def sequence_parallel_pass(
     native_gqa: Optional[bool] = None,
     attention_tile: Optional[int] = 0,
     strict: bool = False,
-    attention_scheme: str = DEFAULT_SCHEME,
+    attention_scheme: Optional[str] = None,
+    sp_layout: Optional[tuple[int, int]] = None,
+    max_ulysses: Optional[int] = None,
+    zigzag: bool = True,
 ) -> fx.GraphModule:
     """Rewrite a Dynamo graph for Ulysses sequence parallelism (see the module docstring).
 
@@ -322,6 +357,12 @@ def sequence_parallel_pass(
     columns (``0``: automatic; ``None``: masks stay dense ``S x S`` tensors, as before).
     ``strict``: an op the pass would run replicated (its sharded inputs all-gathered) is an
     :class:`AutoSPError` naming it, its bytes per rank and the line that wrote it.
+    ``sp_layout``: ``(ulysses, ring)``, how the SP group splits attention (``None``: the largest
+    Ulysses degree that divides ``sp_size``, every attention's heads and ``max_ulysses``, the
+    devices per node; :func:`~autosp.layout.choose_attention_layout`). With a ring level every
+    attention runs in the ring kernel (:mod:`.attention_schemes.ring`; ``zigzag``: head-tail
+    segments, else contiguous). ``attention_scheme``: a registered scheme by name, instead of the
+    one the layout implies (``"ulysses"`` for ``ring=1``, ``"ring"`` otherwise).
     """
     if sp_size < 1 or not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} must lie in [0, sp_size={sp_size})")
@@ -348,9 +389,12 @@ def sequence_parallel_pass(
         return gm
     merged = merge_row_chunks(gm)  # chunked losses as one op over the rows (exact; see passes/chunks.py)
     offset = attention_offset(gm, seq)
+    layout = attention_layout(gm, sp_size, sp_layout, max_ulysses)
+    if attention_scheme is None:
+        attention_scheme = DEFAULT_SCHEME if layout.ring == 1 else "ring"
     rw = SPRewrite(
         gm, sp_size, sp_rank, group_name, seq, loss_chunk, kv_before_repeat, native_gqa, seq_offset=offset,
-        attention_tile=attention_tile, attention=get_scheme(attention_scheme),
+        attention_tile=attention_tile, attention=get_scheme(attention_scheme), ring=layout.ring, zigzag=zigzag,
     )
     rw.stats.merged_losses = merged
     for attn in manual:

@@ -43,6 +43,13 @@ class AttentionScheme:
     op_namespaces: ClassVar[tuple[str, ...]]
     #: the op kind of what it inserts, which SAC always saves (never recomputed in backward)
     collective_kind: ClassVar[str] = "all_to_all"
+    #: every attention runs in :meth:`attend` (a score program: no SDPA call, no dense mask); a
+    #: scheme that only exchanges (Ulysses) lets SDPA or the tiled kernel run on what it hands over
+    owns_attention: ClassVar[bool] = False
+
+    def head_split(self, rw: Any) -> int:
+        """Into how many groups the heads split (KV heads that do not divide by it are repeated)."""
+        raise NotImplementedError
 
     def check_heads(self, rw: Any, where: fx.Node, heads: int, shape: list) -> None:
         """Raise an :class:`~autosp.errors.AutoSPError` naming the fix if ``heads`` query heads
@@ -63,6 +70,12 @@ class AttentionScheme:
 
     def to_sequence(self, rw: Any, x: fx.Node, head_dim: int, seq_dim: int) -> fx.Node:
         """Attention's output on this rank -> ``[.., h, S_r, D]`` (this rank's positions)."""
+        raise NotImplementedError
+
+    def attend(self, rw: Any, q: fx.Node, k: fx.Node, v: fx.Node, program: Any, heads: int, device: Any) -> fx.Node:
+        """Attention's output (``[.., h', S', Dv]``) on what :meth:`to_heads` handed over, with the
+        logits of the score ``program`` (an :class:`~autosp.passes.sp_rules.score_program.ExtractedProgram`
+        of ``heads`` query heads) on tensors of ``device``."""
         raise NotImplementedError
 
     def reads_exchanged(self, a: object) -> bool:

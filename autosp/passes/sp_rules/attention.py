@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from autosp.errors import AutoSPError, user_source
 from autosp.passes.placement import hinted_bytes
 from autosp.passes.sp_rules.registry import OpCall, RuleResult, calls, op, sp_rule
-from autosp.passes.sp_rules.score_program import ExtractedProgram, NotAFunction, ProgramBuilder, leaf_values, sdpa_logits
+from autosp.passes.sp_rules.score_program import ExtractedProgram, NotAFunction, ProgramBuilder, leaf_values, scaled_scores, sdpa_logits
 from autosp.passes.sp_rules.shape import repeat_interleave_args
 from autosp.ops.tiled_attention import DEFAULT_TILE
 
@@ -200,6 +200,36 @@ def _mask_program(rw: "SPRewrite", node: fx.Node, bound: dict, heads: int) -> Op
         return None
 
 
+def _plain_program(rw: "SPRewrite", node: fx.Node, bound: dict, heads: int) -> ExtractedProgram:
+    """SDPA without a mask (or with ``is_causal``) as the score program it is, for a scheme that
+    computes every attention itself; a mask that stayed dense cannot be split that way (refused)."""
+    q, mask = bound["query"], bound.get("attn_mask")
+    if isinstance(mask, fx.Node):
+        why = "tiled_attention=False keeps it dense" if rw.attention_tile is None else rw.stats.dense_masks[-1].split("because ", 1)[-1]
+        raise refuse_dense(rw, node, f"its attn_mask {mask.name} is not a function of positions ({why})")
+    scale = bound.get("scale")
+    if scale is None:
+        scale = 1.0 / math.sqrt(int(rw.shape(q)[-1]))
+    if not isinstance(scale, (int, float)):
+        raise refuse_dense(rw, node, "its scale is not a number")
+    builder = ProgramBuilder(rw, heads, node)
+    scores = scaled_scores(builder, float(scale))
+    if bound.get("is_causal", False):
+        keep = builder.emit("special", "tril", [builder.emit("special", "const", [True, {"dtype": "bool"}]), 0])
+        scores = builder.emit("torch", "where", [keep, scores, -math.inf])
+    return builder.finish(scores, rw.val(q).dtype)
+
+
+def refuse_dense(rw: "SPRewrite", node: fx.Node, why: str) -> AutoSPError:
+    """The error for an attention the ring level cannot split: ``why`` names what stays dense."""
+    return AutoSPError(
+        f"{node.name}: attention with sp_layout=({rw.sp_size // rw.ring}, {rw.ring}) runs as a ring over the sequence, "
+        f"which needs its mask as a function of positions, but {why}.\n" + user_source(node) + "\n"
+        + "Build the mask from positions (as Hugging Face models and `is_causal` do), or use a layout without a ring: "
+        f"sp_layout=({rw.sp_size}, 1) where the heads divide by sp_size, or a smaller sp_size."
+    )
+
+
 @sp_rule(op("scaled_dot_product_attention", SDPA, method=False), source=True)
 def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     bound = dict(zip(_SDPA_ARGS, node.args))
@@ -226,16 +256,19 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
             + "Set the attention dropout to 0 (Hugging Face: `attention_dropout=0.0`, the default of most configs; "
             "dropout on activations, `F.dropout`/`nn.Dropout`, is supported)."
         )
-    kv_repeat = _kv_repeat(node, heads, kv_heads, rw.sp_size, bool(bound.get("enable_gqa", False)))
+    split = rw.attention.head_split(rw)
+    kv_repeat = _kv_repeat(node, heads, kv_heads, split, bool(bound.get("enable_gqa", False)))
     # KV heads the model repeats for attention: exchange them before the repeat (as (x, n_rep))
     unrepeated = {}
     if kv_repeat == 1 and rw.kv_before_repeat:
         for n in (k, v):
             found = repeated_heads(rw, n, head_dim)
-            if found is not None and (kv_heads // found[1]) % rw.sp_size == 0:
+            if found is not None and (kv_heads // found[1]) % split == 0:
                 unrepeated[n] = found
     reps = {n_rep for _, n_rep in unrepeated.values()}
     program = _mask_program(rw, node, bound, heads)
+    if program is None and rw.attention.owns_attention:
+        program = _plain_program(rw, node, bound, heads)
     # k and v both, alike: attention reads them unrepeated (the tiled kernel groups heads itself)
     native = len(unrepeated) == 2 and len(reps) == 1 and (program is not None or _native_gqa(rw, q))
     qkv = []
@@ -258,7 +291,7 @@ def attention(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
         rw.stats.native_gqa += 1
     rw.stats.sdpa += 1
     if program is not None:  # [B, H/P, S, D] -> [B, H/P, S, D], the mask evaluated per tile
-        out = emit_tiled_attention(rw, *qkv, program, heads, rw.val(q).device)
+        out = rw.attention.attend(rw, *qkv, program, heads, rw.val(q).device)
         return rw.attention.to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
     if kv_repeat > 1 and kv_heads * kv_repeat == heads:
         kwargs["enable_gqa"] = False

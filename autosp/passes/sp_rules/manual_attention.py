@@ -40,7 +40,7 @@ from autosp.passes.placement import is_tensor, norm_dim, shape_exprs
 from autosp.passes.sp_rules.attention import (
     _repeat_heads,
     _sequence_local,
-    emit_tiled_attention,
+    refuse_dense,
     repeated_heads,
     report_dense,
 )
@@ -212,6 +212,8 @@ def rewrite_manual_attention(rw: "SPRewrite", attn: ManualAttention) -> RuleResu
     heads = int(qs[head_dim])
     rw.attention.check_heads(rw, attn.first, heads, qs)
     program = _chain_program(rw, attn, heads)
+    if program is None and rw.attention.owns_attention:
+        raise refuse_dense(rw, attn.first, "its scores are not a score program (reported: " + rw.stats.dense_masks[-1] + ")")
     kv, kv_heads = {}, {}
     for n in (attn.k, attn.v):
         found = _exchanged_before_repeat(rw, n, head_dim)  # the model's repeat of fewer KV heads: exchange them before it
@@ -231,7 +233,7 @@ def rewrite_manual_attention(rw: "SPRewrite", attn: ManualAttention) -> RuleResu
         for n in (attn.k, attn.v):
             if kv_heads[n] < most:
                 kv[n] = _repeat_heads(rw, kv[n], most // kv_heads[n], head_dim)
-        out = emit_tiled_attention(rw, q, kv[attn.k], kv[attn.v], program, heads, rw.val(attn.q).device)  # [B, H/P, S, Dv]
+        out = rw.attention.attend(rw, q, kv[attn.k], kv[attn.v], program, heads, rw.val(attn.q).device)  # [B, H/P, S, Dv]
         rw.stats.manual_attention += 1
         return rw.attention.to_sequence(rw, out, head_dim, seq_dim), rw.base_shard(seq_dim)
     g = rw.graph
@@ -277,7 +279,7 @@ def _chain_program(rw: "SPRewrite", attn: ManualAttention, heads: int) -> Option
 def _exchanged_before_repeat(rw: "SPRewrite", n: fx.Node, head_dim: int) -> Optional[tuple[fx.Node, int]]:
     """``(x, n_rep)`` when ``n`` is the model's repeat of KV heads ``x`` that split over the SP group."""
     found = repeated_heads(rw, n, head_dim)
-    return found if found is not None and int(rw.shape(found[0])[head_dim]) % rw.sp_size == 0 else None
+    return found if found is not None and int(rw.shape(found[0])[head_dim]) % rw.attention.head_split(rw) == 0 else None
 
 
 def expected_all_to_alls(rw: "SPRewrite", attn: ManualAttention) -> int:
