@@ -85,3 +85,7 @@ def test_short_name_strategy_under_the_cli(tmp_path, monkeypatch):
     strategy = cli.trainer.strategy
     assert isinstance(strategy, AutoSPStrategy) and strategy.sp_size == 2
     assert (strategy.compile_backend, strategy.sac) == ("inductor", True)
+    # a layout with a ring level from the command line (YAML: `sp_layout: [1, 2]`)
+    args = ["--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--trainer.strategy.init_args.sp_layout=[1, 2]", *SMALL]
+    cli = AutoSPCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, args=args, run=False)
+    assert cli.trainer.strategy.sp_layout == (1, 2) and cli.trainer.strategy.sp_size == 2

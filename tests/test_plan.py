@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -28,10 +29,15 @@ from autosp.backend import AutoSPBackend  # noqa: E402
 from lightning_autosp.cli import main as cli  # noqa: E402
 from autosp.models import Llama, LlamaConfig  # noqa: E402
 from autosp.memory import model as mm  # noqa: E402
-from autosp.memory.plan import COMBINATIONS, render  # noqa: E402
+from autosp.memory.plan import COMBINATIONS, PlanRequest, plan, render_text  # noqa: E402
 from autosp.passes.sac import SACConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+QWEN2_7B = {  # Qwen2.5-7B's config.json, the fields plan reads
+    "architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "vocab_size": 152064, "model_type": "qwen2",
+}
 LLAMA_8B = {  # Llama-3.1-8B's config.json, the fields plan reads
     "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
     "num_hidden_layers": 32, "num_key_value_heads": 8, "rope_theta": 500000.0, "tie_word_embeddings": False,
@@ -64,9 +70,11 @@ def test_plan_of_the_cpu_demo_config(capsys):
         assert off["at_seq_len"]["saved"] == 0 < off["at_seq_len"]["host"]
     assert _row(res, "sp_sac", "autosp_fsdp")["static"]["total"] < _row(res, "sp_sac", "ddp")["static"]["total"]
     assert res["recommended"]["arguments"].startswith("AutoSPStrategy(sp_size=2, fsdp=False, sac=True")
-    render(res)  # what the command prints without --json
-    out = capsys.readouterr().out
-    assert "Recommended: AutoSPStrategy(sp_size=2" in out and "M parameters, 1,024 tokens" in out
+    out = render_text(res)  # what the command prints without --json: readable at 80 columns, nothing cut
+    assert "Recommended: AutoSPStrategy(sp_size=2" in out and "M parameters, 4 heads, 1,024 tokens" in out
+    assert max(len(line) for line in out.splitlines()) <= 80 and "…" not in out
+    for row in res["combinations"]:  # every longest length printed whole
+        assert f"{row['longest']:,}" in out
 
 
 @pytest.mark.slow
@@ -91,21 +99,61 @@ def test_plan_of_llama_8b_on_one_node(capsys, tmp_path):
     assert alst["longest"] >= 3_700_000 > _row(res, "sp_block_offload", "autosp_fsdp")["longest"], alst["longest"]
 
 
-def test_plan_errors(tmp_path):
+def test_plan_errors(tmp_path, capsys):
+    """Every request gets a plan or one line naming what is wrong (exit status 2), never a traceback."""
     bad = tmp_path / "config.json"
     bad.write_text(json.dumps({"hidden_size": 64}))
-    with pytest.raises(ValueError, match=r"--hf-config .*no 'vocab_size'; plan reads Llama-shaped configs"):
-        cli(["plan", "--hf-config", str(bad)])
-    gpt = tmp_path / "gpt.yaml"
-    gpt.write_text("model:\n  class_path: lightning_autosp.examples.causal_lm.CausalLMModule\n  init_args:\n    model: gpt\n")
-    with pytest.raises(ValueError, match=r"plan reads the shapes of .*CausalLMModule with model: llama.*--hf-config"):
-        cli(["plan", "--config", str(gpt)])
     good = tmp_path / "good.json"
     good.write_text(json.dumps(LLAMA_8B))
-    with pytest.raises(ValueError, match=r"--gpu-memory='eighty': expected bytes per rank"):
-        cli(["plan", "--hf-config", str(good), "--gpu-memory", "eighty"])
+    gpt = tmp_path / "gpt.yaml"
+    gpt.write_text("model:\n  class_path: lightning_autosp.examples.causal_lm.CausalLMModule\n  init_args:\n    model: gpt\n")
+    for argv, message in (
+        (["--hf-config", str(bad)], r"--hf-config .*no 'vocab_size'; plan reads Llama-shaped configs"),
+        (["--config", str(gpt)], r"plan reads the shapes of .*CausalLMModule with model: llama.*--hf-config"),
+        (["--hf-config", str(good), "--gpu-memory", "eighty"], r"--gpu-memory='eighty': expected bytes per rank"),
+        (["--hf-config", str(good), "--nodes", "2", "--sp-size", "12"], r"--sp-size 12: an SP group lies inside a node or spans whole nodes.*valid: \[1, 2, 4, 8, 16\]"),
+        (["--hf-config", str(good), "--sp-size", "8", "--sp-layout", "4x4"], r"--sp-layout 4x4: .*ulysses x ring = 16, not sp_size=8"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            cli(["plan", *argv])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and re.search(message, err) and "Traceback" not in err, err
     with pytest.raises(SystemExit):  # argparse: one of --config / --hf-config
         cli(["plan"])
+    with pytest.raises(SystemExit):
+        cli(["plan", "--hf-config", str(good), "--sp-layout", "four"])
+
+
+@pytest.mark.slow
+def test_plan_lays_out_28_heads_on_one_node(capsys, tmp_path):
+    """A Qwen2-7B-shaped config (28 query heads, 4 KV heads) on one node of 8: Ulysses alone could
+    use 4 GPUs (before the ring, plan stopped with a traceback); the plan lays sp_size=8 out as
+    ulysses=4 x ring=2, as the strategy does, and gives its longest length."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN2_7B))
+    res = _plan_json(capsys, "--hf-config", str(config), "--nodes", "1", "--gpus-per-node", "8", "--seq-len", "262144")
+    assert res["sp_size"] == 8 and res["layout"] == [4, 2] and res["sp_groups"][0]["layout"] == [4, 2]
+    rec = res["recommended"]
+    assert rec["arguments"].startswith("AutoSPStrategy(sp_size=8, fsdp=True") and rec["longest"] >= 262144
+    assert max(r["longest"] for r in res["combinations"]) > 4_000_000
+    text = render_text(res)
+    assert "sp_size=8 as ulysses=4 x ring=2" in text and max(len(line) for line in text.splitlines()) <= 80
+
+
+@pytest.mark.slow
+def test_plan_of_llama_8b_on_four_nodes_reaches_alst():
+    """Llama-3.1-8B on 4 x 8 x 80 GB, one SP group over all 32 GPUs (Ulysses over a node's 8, a
+    ring of 4 across the nodes): blocks recomputed whole, tiled regions and offload predict at least
+    the 15M tokens DeepSpeed ALST measured there (Ulysses across nodes)."""
+    from autosp.memory import model as mm
+
+    cfg = LlamaConfig(**mm.PRESETS["llama-3.1-8b"]["config"], max_seq_len=1 << 27)
+    req = PlanRequest(model=cfg, seq_len=15_000_000, nodes=4, gpus_per_node=8, variants=("sp_block_tiled_offload",), settings=("autosp_fsdp",))
+    res = plan(req)
+    assert [g["sp_size"] for g in res["sp_groups"]] == [8, 16, 32] and res["layout"] == [8, 4]
+    (row,) = res["combinations"]
+    print(f"Llama-3.1-8B, 4 nodes x 8, ulysses=8 x ring=4: longest {row['longest']:,} ({row['limit']})")
+    assert row["fits"] and row["longest"] >= 15_000_000
 
 
 # ----------------------------------------------------------------------------- prediction vs measurement

@@ -40,6 +40,12 @@ __all__ = ["seq_gather", "seq_scatter", "ring_seq_gather", "ring_seq_scatter", "
 
 _NS = "autosp"
 
+#: bytes this process sent to other ranks so far (its own pieces excluded): ``"exchange"``, the
+#: all-to-alls around attention (Ulysses' and the ring layout's); ``"ring"``, the key/value blocks
+#: and their gradients passed around a ring (:mod:`autosp.ops.ring_attention`). Read by the
+#: benchmarks and the tests.
+SENT_BYTES = {"exchange": 0, "ring": 0}
+
 
 def _group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
@@ -70,6 +76,7 @@ def seq_gather(send: torch.Tensor, seq_dim: int, group_name: str, seq_len: int, 
         shapes.append(shape)
     recv_counts = [math.prod(shape) for shape in shapes]
     recv = send.new_empty(sum(recv_counts))
+    SENT_BYTES["exchange"] += (send.numel() - send[rank].numel()) * send.element_size()
     dist.all_to_all_single(
         recv, send.view(-1), output_split_sizes=recv_counts, input_split_sizes=[send[0].numel()] * group_size,
         group=_group(group_name),
@@ -105,6 +112,7 @@ def seq_scatter(x: torch.Tensor, seq_dim: int, group_name: str, group_size: int,
         for p, buf in zip(parts, send.split(send_counts)):  # one copy into the send buffer
             buf.view(p.shape).copy_(p)
     recv = x.new_empty((group_size, *parts[rank].shape))
+    SENT_BYTES["exchange"] += (sum(send_counts) - send_counts[rank]) * x.element_size()
     dist.all_to_all_single(
         recv.view(-1), send, output_split_sizes=[recv[0].numel()] * group_size, input_split_sizes=send_counts,
         group=_group(group_name),
@@ -190,6 +198,7 @@ def ring_seq_gather(send: torch.Tensor, seq_dim: int, group_name: str, seq_len: 
     pieces = [b - a for j in range(group_size) for a, b in into[j]]
     recv = send.new_empty(sum(pieces) * per_token)
     flat = torch.cat(parts) if parts else send.new_empty(0)
+    SENT_BYTES["exchange"] += (sum(send_counts) - send_counts[rank]) * send.element_size()
     dist.all_to_all_single(
         recv, flat, output_split_sizes=[sum(b - a for a, b in into[j]) * per_token for j in range(group_size)],
         input_split_sizes=send_counts, group=_group(group_name),
@@ -227,10 +236,9 @@ def ring_seq_scatter(
     result = x.new_empty((ulysses, *_piece_shape(x, seq_dim, hi - lo)))
     recv_counts = [sum(b - a for a, b in out[d]) * per_token for d in range(group_size)]
     recv = x.new_empty(sum(recv_counts))
-    dist.all_to_all_single(
-        recv, flat, output_split_sizes=recv_counts,
-        input_split_sizes=[sum(b - a for a, b in into[j]) * per_token for j in range(group_size)], group=_group(group_name),
-    )
+    send_counts = [sum(b - a for a, b in into[j]) * per_token for j in range(group_size)]
+    SENT_BYTES["exchange"] += (sum(send_counts) - send_counts[rank]) * x.element_size()
+    dist.all_to_all_single(recv, flat, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=_group(group_name))
     pieces = [(d, a, b) for d in range(group_size) for a, b in out[d]]
     for (d, a, b), r in zip(pieces, recv.split([(b - a) * per_token for _, a, b in pieces])):
         result[d % ulysses].narrow(seq_dim, a - lo, b - a).copy_(r.view(_piece_shape(x, seq_dim, b - a)))

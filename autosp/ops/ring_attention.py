@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autosp.layout import ring_segment, ring_segment_length
+from autosp.ops.collectives import SENT_BYTES
 from autosp.ops.live_tiles import live_map
 from autosp.ops.score_program import MASKED, ScoreProgram
 from autosp.ops.tile_kernels import acc_dtype, backward_rows, finish_rows, forward_rows, heads_inside, merge, tiles
@@ -59,6 +60,7 @@ class RingPeers:
         """Send ``tensors`` to the next rank and receive tensors of ``shapes`` from the previous
         one; returns the wait that yields them (the transfer runs meanwhile)."""
         recv = [torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip(tensors, shapes)]
+        SENT_BYTES["ring"] += sum(t.numel() * t.element_size() for t in tensors)
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, buf, self.prev, self.group) for buf in recv]
         requests = dist.batch_isend_irecv(ops)
