@@ -11,6 +11,9 @@ On one device, each variant of ``autosp/memory/model.py`` trains a Llama with re
 * the longest sequence within ``--budget-gib`` of activation memory, by doubling, measured
   and predicted.
 
+``sp_sac_ring`` is ``sp_sac`` with a ring level under Ulysses (``sp_layout=(sp_size/2, 2)``): the
+ring's exchange and kernel - the tile kernels as unfused PyTorch ops on CUDA - on the device.
+
 The SP variants run **rank 0 of an ``--sp-size`` group alone**, on torch's ``fake`` process
 group: collectives return at once without moving data, so the memory and the compute of one
 rank are real and the numbers it computes are not (nothing here checks numerics; the test
@@ -39,9 +42,18 @@ from _common import (
     GiB, MiB, PeakRSS, SavedBytes, arguments, check_steps_and_seq_lens, finish, machine, median_seconds, parser, write_json,
 )
 
-VARIANTS = ("no_sp", "sp", "sp_sac", "sp_sac_tiled", "sp_sac_offload", "sp_block_offload")
+VARIANTS = ("no_sp", "sp", "sp_sac", "sp_sac_ring", "sp_sac_tiled", "sp_sac_offload", "sp_block_offload")
 #: the variants not run by default (tiled MLPs, offload and whole-block recomputation: --variants)
 EXTRA_VARIANTS = ("sp_sac_tiled", "sp_sac_offload", "sp_block_offload")
+#: ``sp_sac_ring``: AutoSP + SAC with a ring level, ``sp_layout=(sp_size // RING, RING)``: the
+#: ring's exchanges and kernel on the device (its sends go to the fake group, so the blocks it
+#: computes on are not its peers'; memory and compute are a ring rank's)
+RING = 2
+
+
+def _layout(variant: str, args: argparse.Namespace) -> Optional[tuple[int, int]]:
+    """``(ulysses, ring)`` of a variant: Ulysses alone, or a ring of :data:`RING` for ``sp_sac_ring``."""
+    return (args.sp_size // RING, RING) if variant == "sp_sac_ring" else (args.sp_size, 1)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -115,6 +127,7 @@ def build(variant: str, cfg, args: argparse.Namespace, device: torch.device) -> 
     backend = AutoSPBackend(
         sp_size=args.sp_size, sp_rank=0, group_name=dist.group.WORLD.group_name, backend=args.backend, sac=sac,
         mlp_tile=args.mlp_tile if "tiled" in variant else None, offload=OffloadConfig(True) if variant.endswith("offload") else None,
+        sp_layout=_layout(variant, args),
     )
     return model, torch.compile(step, backend=backend)
 
@@ -177,7 +190,7 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda res: Non
         if out_of_time():
             res["skipped"].append(variant)
             continue
-        model_mem = mm.layer_model(cfg, variant, args.sp_size, mlp_tile=args.mlp_tile)
+        model_mem = mm.layer_model(cfg, variant.removesuffix("_ring"), args.sp_size, mlp_tile=args.mlp_tile, sp_layout=_layout(variant, args))
         model, fn = build(variant, cfg, args, device)
         rows = {}
         for S in args.seq_lens:

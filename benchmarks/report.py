@@ -7,7 +7,8 @@ collectives and building from meta), ``vocab_loss.py`` (the
 fused loss against full logits), ``compile_time.py`` (first step against depth), ``masks.py`` (packed
 documents and sliding windows, dense against tiled masks), ``long_rows.py`` (tiled MLPs and offload at 32k),
 ``sp_split.py`` (per-rank saved bytes at sp=2 and 4
-against sp=1, and the ops run replicated), ``gpu_check.py`` (only with CUDA; without it the last GPU results in
+against sp=1, and the ops run replicated), ``ring_costs.py`` (a ring level's bytes, time and memory against
+Ulysses alone), ``gpu_check.py`` (only with CUDA; without it the last GPU results in
 ``benchmarks/results/gpu_check.json`` are shown, if any). Results go to
 ``benchmarks/results/`` (JSON and PNG) and the page is rendered from them.
 ``sac_memory.py`` is run on its own; its figures are in ``docs/memory.md``.
@@ -32,6 +33,7 @@ import compile_time
 import gpu_check
 import long_rows
 import masks
+import ring_costs
 import sp_split
 import sharded_mode
 import sp_throughput
@@ -62,6 +64,7 @@ def run_all() -> None:
     masks.main(["--out", str(RESULTS / "masks.json")])
     sp_split.main(["--seq-len", "1024", "--sp", "2", "4", "--out", str(RESULTS / "sp_split.json")])
     long_rows.main(["--seq-len", "32768", "--out", str(RESULTS / "long_rows.json")])
+    ring_costs.main(["--seq-len", "8192", "--out", str(RESULTS / "ring_costs.json")])
     if torch.cuda.is_available():
         gpu_check.main(["--out", str(RESULTS / "gpu_check.json")])
 
@@ -203,6 +206,9 @@ def render() -> str:
             table=long_rows.report(lr), wall_min=f"{lr['wall_s'] / 60:.0f}", seq_len=f"{lr['config']['seq_len']:,}",
             machine=lr["machine"],
         ))
+    ring = _load("ring_costs")
+    if ring:
+        page.append(t["ring"].substitute(table=ring_costs.markdown(ring), wall_min=f"{ring['wall_s'] / 60:.0f}", machine=ring["machine"]))
     page.append(t["reproduce"].substitute(date=time.strftime("%Y-%m-%d")))
     return "\n".join(page)
 

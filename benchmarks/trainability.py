@@ -51,6 +51,7 @@ from _common import GiB, arguments, finish, machine, parser, plot_panels
 
 from autosp.models import LlamaConfig
 from autosp.memory.plan import limit_of, longest, static_bytes
+from autosp.passes.offload import parse_bytes
 
 SETTINGS = ("zero3", "autosp_fsdp", "ddp")
 # the sharded mode is AutoSP's own: only its variants run under it
@@ -62,6 +63,10 @@ SETTING_VARIANTS = {
 }
 #: DeepSpeed ALST (2025), Llama-3.1-8B on one node of 8 x H100 80 GB: measured, tokens per sequence
 ALST_8B_NODE = 3_700_000
+#: the same on four nodes (32 GPUs, Ulysses across the nodes)
+ALST_8B_4_NODES = 15_000_000
+#: the variant of the rows across nodes: ALST's recipe (whole blocks, tiled regions, offload)
+NODES_VARIANT = "sp_block_tiled_offload"
 #: the options added in turn in the comparison with ALST (autosp_fsdp)
 ALST_STEPS = (
     "sp_sac", "sp_sac_tiled", "sp_sac_offload", "sp_sac_tiled_offload", "sp_block", "sp_block_offload", "sp_block_tiled_offload",
@@ -97,12 +102,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = parser(__doc__, plot="per-rank memory against sequence length")
     p.add_argument("--models", nargs="+", choices=list(mm.PRESETS), default=list(mm.PRESETS))
     p.add_argument("--sp-size", type=int, default=8, help="SP group size = GPUs (one node)")
-    p.add_argument("--gpu-gib", type=float, default=80.0, help="memory per GPU, GiB")
+    p.add_argument("--gpu-memory", default="80GiB", help="memory per GPU as plan reads it: GB = 10^9 bytes, GiB = 2^30 "
+                   "(default 80GiB: an '80 GB' A100/H100)")
+    p.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4],
+                   help="Llama-3.1-8B with one SP group over this many nodes (Ulysses over a node, a ring across)")
     p.add_argument("--usable", type=float, default=0.9, help="fraction of it a step may use")
     p.add_argument("--granule", type=int, default=1024, help="sequence lengths searched are multiples of this")
     p.add_argument("--host-gib", type=float, default=2048.0, help="host memory per node, GiB (offloaded activations)")
     p.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
     args = p.parse_args(argv)
+    try:
+        args.gpu_memory = parse_bytes(args.gpu_memory, "--gpu-memory")
+    except ValueError as exc:
+        p.error(str(exc))
     if args.granule % args.sp_size:
         p.error(f"--granule ({args.granule}) must be a multiple of --sp-size ({args.sp_size})")
     if not 0 < args.usable <= 1:
@@ -115,7 +127,7 @@ def pow2_floor(n: int) -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    budget = args.gpu_gib * GiB * args.usable
+    budget = args.gpu_memory * args.usable
     host_budget = args.host_gib * GiB * args.usable / args.sp_size
     out: dict = {"args": arguments(args), "machine": machine(), "models": {}, "paper": PAPER}
     for name in args.models:
@@ -154,9 +166,20 @@ def run(args: argparse.Namespace) -> dict:
                                                             "memory_at_longest": m.memory(S) if S else None}
                 for (mask, tiled), m in masked.items()
             }
+        nodes = {}
+        if name == "llama-3.1-8b":  # one SP group over several nodes: Ulysses over a node's GPUs, a ring across
+            for n in (n for n in args.nodes if n > 1):
+                sp = args.sp_size * n
+                m = mm.layer_model(cfg, NODES_VARIANT, sp, sp_layout=(args.sp_size, n))
+                static = static_bytes(params, "autosp_fsdp", sp)["total"]
+                S = longest(m.memory, static, budget, args.granule * n, host_budget=host_budget)
+                nodes[n] = {
+                    "sp_size": sp, "layout": [args.sp_size, n], "static_bytes": static, "longest": S,
+                    "memory_at_longest": m.memory(S) if S else None, "limit": limit_of(m.memory, static, host_budget, S, args.granule * n),
+                }
         out["models"][name] = {
             "params": params, "trace_s": time.perf_counter() - t, "extrapolation_rel_err": extrapolation_err,
-            "saved_bytes_per_token": per_token, "settings": rows, "masks": masks,
+            "saved_bytes_per_token": per_token, "settings": rows, "masks": masks, "nodes": nodes,
             "curves": {v: {S: m.memory(S)["peak"] for S in (1 << k for k in range(13, 22))} for v, m in models.items()},
         }
         print(f"{name}: traced in {time.perf_counter() - t:.0f}s; depth extrapolation error {extrapolation_err:.1e}", flush=True)
@@ -169,9 +192,9 @@ def _ratio(a: int, b: int) -> str:
 
 def markdown(res: dict) -> str:
     a = res["args"]
-    budget = a["gpu_gib"] * a["usable"]
+    budget = _gpu_gib(a) * a["usable"]
     lines = [
-        f"{a['sp_size']} GPUs x {a['gpu_gib']:.0f} GiB, a step may use {a['usable']:.0%} ({budget:.0f} GiB); SP variants: "
+        f"{a['sp_size']} GPUs x {_gpu_gib(a):.0f} GiB, a step may use {a['usable']:.0%} ({budget:.0f} GiB); SP variants: "
         f"sp={a['sp_size']} (one sequence over the node); no-SP variants: one sequence per GPU. Lengths are multiples "
         f"of {a['granule']}.",
         "",
@@ -218,7 +241,7 @@ def alst_table(res: dict) -> list[str]:
         return []
     lines = [
         "",
-        f"| Llama-3.1-8B, {a['sp_size']} x {a['gpu_gib']:.0f} GB, fsdp=True | longest sequence (predicted) | vs ALST "
+        f"| Llama-3.1-8B, {a['sp_size']} x {_gpu_gib(a):.0f} GiB, fsdp=True | longest sequence (predicted) | vs ALST "
         f"{ALST_8B_NODE / 1e6:.1f}M (measured) | device GiB/rank: static + saved + transients | host GiB per node | what limits it |",
         "|---|---|---|---|---|---|",
     ]
@@ -232,7 +255,33 @@ def alst_table(res: dict) -> list[str]:
             f"| {LABELS[v]} | {r['longest']:,} | {r['longest'] / ALST_8B_NODE:.2f}x | {device} | "
             f"{mem.get('host', 0) * a['sp_size'] / GiB:.0f} | {r['limit']} |"
         )
+    if m.get("nodes"):
+        lines += [
+            "",
+            f"| Llama-3.1-8B, one SP group over nodes of {a['sp_size']} x {_gpu_gib(a):.0f} GiB, fsdp=True, {LABELS[NODES_VARIANT]} | "
+            f"longest sequence (predicted) | vs ALST (measured: {ALST_8B_NODE / 1e6:.1f}M on 1 node, {ALST_8B_4_NODES / 1e6:.0f}M on 4) | "
+            "device GiB/rank: static + saved + transients | host GiB per node | what limits it |",
+            "|---|---|---|---|---|---|",
+        ]
+        one = row["variants"].get(NODES_VARIANT)
+        entries = [(1, {"sp_size": a["sp_size"], "layout": [a["sp_size"], 1], "static_bytes": row["static_bytes"], **one})] if one else []
+        for n, r in sorted(((int(k), v) for k, v in m["nodes"].items())):
+            entries.append((n, r))
+        for n, r in entries:
+            mem = r["memory_at_longest"] or {"saved": 0, "peak": 0, "host": 0}
+            alst = {1: ALST_8B_NODE, 4: ALST_8B_4_NODES}.get(n)
+            device = f"{r['static_bytes'] / GiB:.1f} + {mem['saved'] / GiB:.1f} + {(mem['peak'] - mem['saved']) / GiB:.1f}"
+            lines.append(
+                f"| {n} node(s), sp_size={r['sp_size']} as ulysses={r['layout'][0]} x ring={r['layout'][1]} | {r['longest']:,} | "
+                f"{_ratio(r['longest'], alst) if alst else '-'} | "
+                f"{device} | {mem.get('host', 0) * a['sp_size'] / GiB:.0f} | {r['limit']} |"
+            )
     return lines
+
+
+def _gpu_gib(a: dict) -> float:
+    """GPU memory of a results file's arguments in GiB (older files: ``gpu_gib``)."""
+    return a["gpu_memory"] / GiB if "gpu_memory" in a else a["gpu_gib"]
 
 
 def mask_table(res: dict) -> list[str]:
@@ -291,7 +340,7 @@ def plot(res: dict, path: str) -> None:
         }
     plot_panels(
         panels, path, "predicted GiB per GPU (ZeRO-3 static + activation peak)",
-        (a["gpu_gib"] * a["usable"], "usable GPU memory"),
+        (_gpu_gib(a) * a["usable"], "usable GPU memory"),
     )
 
 
