@@ -138,3 +138,12 @@ def dense_or_false(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s strides are non-overlapping and dense, ``False`` where symbolic sizes
     leave it open (torch 2.9-2.15 all have this helper under the same name)."""
     return bool(torch._prims_common._is_non_overlapping_and_dense_or_false(tensor.shape, tensor.stride()))
+
+
+def checkpoint_tracing_config() -> dict:
+    """Dynamo settings under which a region under ``torch.utils.checkpoint`` whose forward sets
+    Python state (Hugging Face's kernel-selection context) is traced as one region instead of
+    splitting the step into several graphs (torch >= 2.10 has the switch; older versions split)."""
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
+    return {}

@@ -20,6 +20,7 @@ from autosp.ops.local_shapes import LocalShapeCompiled, LocalShapes, add_chunk_i
 from autosp.passes.accounting import SavedActivations, empty_by_kind
 from autosp.passes import SPPassStats, sequence_parallel_pass
 from autosp.passes.bucketing import BucketStats, bucket_parameter_collectives_pass
+from autosp.passes.checkpoints import inline_checkpoints
 from autosp.passes.offload import OffloadConfig
 from autosp.passes.tiled_mlp import tile_token_regions
 from autosp.passes.sac import SACConfig, SACPartitioner
@@ -177,6 +178,13 @@ class AutoSPBackend:
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         start = time.perf_counter()
+        checkpointed = inline_checkpoints(gm)  # the user's gradient checkpointing, in the one graph (recomputed by the partition)
+        if checkpointed and self.backend not in AOT_BACKENDS and not _warned_checkpoints:
+            _warned_checkpoints.append(True)
+            log.warning(
+                "AutoSP: %d region(s) under gradient checkpointing run without recomputation with compile_backend=%r, which "
+                "does not partition the graph: use 'inductor' or 'aot_eager' for it to take effect.", checkpointed, self.backend,
+            )
         regions = []
         if self.mlp_tile is not None:
             regions = tile_token_regions(gm, tile=self.mlp_tile, min_tiles=0 if self.mlp_tile else 2, sp_size=self.sp_size)
@@ -186,6 +194,7 @@ class AutoSPBackend:
             strict=self.strict, sp_layout=self.sp_layout, max_ulysses=self.max_ulysses,
         )
         gm.meta["autosp"].tiled_regions = len(regions)
+        gm.meta["autosp"].checkpoint_regions = checkpointed
         self.pass_stats.append(gm.meta["autosp"])
         self.timings["sp_pass"] += time.perf_counter() - start
         if self.backend not in AOT_BACKENDS:
@@ -324,6 +333,7 @@ class _BucketPass(CustomGraphPass):
 
 
 _warned_order: list[bool] = []
+_warned_checkpoints: list[bool] = []
 
 
 def collectives_keep_their_order() -> bool:

@@ -9,6 +9,14 @@ into a graph that sees the model's outputs whole (gathered), so it would run rep
 holding the whole sequence's logits. Installed before compiling - what transformers itself does
 on that first call; the hooks record nothing unless a forward asks - the step is one graph.
 
+The forward hook Hugging Face's ``enable_input_require_grads()`` puts on the input embeddings
+(``peft`` adds it to a model under gradient checkpointing, for eager reentrant checkpointing on a
+frozen embedding) calls ``requires_grad_()`` on an intermediate, which Dynamo cannot trace: the
+step would split into several graphs. The compiled step differentiates through checkpointed
+regions itself (:mod:`autosp.passes.checkpoints`), so the hook is not needed there; it is taken
+off while AutoSP compiles the module and put back by :meth:`Prepared.undo` (the strategies'
+``teardown``).
+
 Nothing here imports a library the user did not import.
 """
 
@@ -16,29 +24,63 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["prepare_for_compile"]
+__all__ = ["prepare_for_compile", "Prepared"]
 
 log = logging.getLogger(__name__)
 
 
-def prepare_for_compile(module: torch.nn.Module) -> int:
+#: the names transformers' ``enable_input_require_grads`` and peft give the hook
+_REQUIRE_GRADS_HOOKS = frozenset({"make_inputs_require_grads", "make_inputs_require_grad"})
+
+
+@dataclass
+class Prepared:
+    """What :func:`prepare_for_compile` did: ``models`` Hugging Face models prepared, and the
+    changes :meth:`undo` reverts."""
+
+    models: int = 0
+    undo_calls: list[Callable[[], Any]] = field(default_factory=list)
+
+    def undo(self) -> None:
+        for call in self.undo_calls:
+            call()
+        self.undo_calls.clear()
+
+
+def prepare_for_compile(module: torch.nn.Module) -> Prepared:
     """Install the output-capturing hooks of every Hugging Face model in ``module`` that has not
-    installed them yet; returns how many models were prepared."""
+    installed them yet, and take off input-require-grads hooks until :meth:`Prepared.undo` (see
+    the module docstring)."""
+    prepared = Prepared()
     if "transformers" not in sys.modules:
-        return 0
+        return prepared
+    for m in module.modules():  # Hugging Face's and peft's input-require-grads hooks (named so in both)
+        hooks = getattr(m, "_forward_hooks", None) or {}
+        taken = {key: hook for key, hook in hooks.items() if getattr(hook, "__name__", "") in _REQUIRE_GRADS_HOOKS}
+        for key in taken:
+            del hooks[key]
+        if taken:
+            prepared.undo_calls.append(lambda hooks=hooks, taken=taken: hooks.update(taken))
+    if prepared.undo_calls:
+        log.info(
+            "AutoSP: took the input-require-grads hooks (Hugging Face's enable_input_require_grads, peft's) off %d module(s) "
+            "while they run compiled (the compiled step differentiates through checkpointed layers itself); they are put "
+            "back at teardown.", len(prepared.undo_calls),
+        )
     try:
         from transformers import PreTrainedModel
         from transformers.utils.output_capturing import maybe_install_capturing_hooks
     except ImportError:  # another transformers version: nothing lazy to do ahead
-        return 0
-    prepared = 0
+        return prepared
     for m in module.modules():
         if isinstance(m, PreTrainedModel) and not getattr(m, "_output_capturing_hooks_installed", False):
             maybe_install_capturing_hooks(m)
-            prepared += 1
-    if prepared:
-        log.debug("AutoSP: installed the output-capturing hooks of %d Hugging Face model(s) before compiling", prepared)
+            prepared.models += 1
+    if prepared.models:
+        log.debug("AutoSP: installed the output-capturing hooks of %d Hugging Face model(s) before compiling", prepared.models)
     return prepared

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from autosp._compat import graph_break_counter
+from autosp._compat import checkpoint_tracing_config, graph_break_counter
 from autosp.backend import AutoSPBackend, CompiledStep
 from autosp.batch_agreement import check_sp_batch_agreement
 from autosp.errors import AutoSPError, NoSequenceDim
@@ -101,8 +101,9 @@ class StepRunner:
             # Dynamo's DDP optimizer would split our graph per gradient bucket; the SP pass needs
             # the whole step in one graph, and DDP still overlaps the gradient all-reduce. Ops whose
             # output shape depends on the data (a router's torch.where(mask)) are traced into the
-            # graph with data-dependent sizes instead of breaking it before the experts.
-            with torch._dynamo.config.patch(optimize_ddp=False, capture_dynamic_output_shape_ops=True):
+            # graph with data-dependent sizes instead of breaking it before the experts; regions
+            # under gradient checkpointing are traced whole (autosp.passes.checkpoints).
+            with torch._dynamo.config.patch(optimize_ddp=False, capture_dynamic_output_shape_ops=True, **checkpoint_tracing_config()):
                 return compiled(*args, **kwargs)
 
         step.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -146,7 +147,11 @@ class StepRunner:
                 raise
             if isinstance(cause, NoSequenceDim) and self.marked_length in cause.fixed_sizes:
                 raise _specialized_length_error(self.marked_length, self.marked) from exc
-            breaks = Counter(graph_break_counter()) - breaks_before
+            if not cause.graph_breaks_may_explain:
+                raise AutoSPError(str(cause)) from exc
+            breaks = list((Counter(graph_break_counter()) - breaks_before).keys())
+            if breaks and cause.graph_has_loss:  # the break that ended it (`float(loss)`, `self.log`) stands after the loss
+                breaks = breaks[:-1]
             raise AutoSPError(f"{cause}{_describe_breaks(breaks)}") from exc
         self._check_rewritten(name, where)
         self._check_packed_positions(name, batch)
@@ -361,10 +366,16 @@ def _specialized_at(violation: str) -> str:
     return "\n".join(line for line in lines[frames[-1] : frames[-1] + 2] if line.strip())
 
 
-def _describe_breaks(breaks: Counter) -> str:
+def _describe_breaks(breaks: Sequence[str]) -> str:
     if not breaks:
         return ""
     lines = "\n".join(f"  - {_break_summary(reason)}" for reason in breaks)
+    if any("checkpoint" in reason for reason in breaks):
+        lines += (
+            "\n  (a break at torch.utils.checkpoint: a region under gradient checkpointing could not be traced whole. "
+            "Turn gradient checkpointing off - model.gradient_checkpointing_disable() - and use "
+            "AutoSPStrategy(sac='block'), which recomputes each transformer block whole as checkpointing every layer does.)"
+        )
     data_dependent = any("depends on input Tensor data" in reason or reason.startswith("Dynamic shape operator") for reason in breaks)
     return (
         f"\nDynamo split this step into several graphs at these graph breaks:\n{lines}\n"

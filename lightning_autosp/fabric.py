@@ -46,7 +46,7 @@ from typing_extensions import override
 from lightning_autosp._compat import FABRIC_SETUP_PASSES_SCHEDULER
 from autosp.arguments import check_arguments
 from autosp.backend import CompiledStep
-from autosp.compile_prep import prepare_for_compile
+from autosp.compile_prep import Prepared, prepare_for_compile
 from autosp.errors import AutoSPError
 from autosp.launch import prepare_rank
 from autosp.mesh import SPGrid
@@ -119,6 +119,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         self._backward_sync_control = self._mode.ddp_only(_BackwardSync)
         self._device_mesh: Optional["DeviceMesh"] = None
         self._runner: Optional[StepRunner] = None
+        self._prepared: list[Prepared] = []  # what prepare_for_compile changed, undone at teardown
 
     @property
     def compiled_steps(self) -> Mapping[str, CompiledStep]:
@@ -186,7 +187,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         """Replicated: DDP (a model built on meta gets its values from its own initialisers
         first). Sharded: parameters become DTensor shards, read from ``pretrained`` or initialised
         one unit at a time."""
-        prepare_for_compile(module)
+        self._prepared.append(prepare_for_compile(module))
         precision = getattr(self.precision, "precision", "32-true")
         self._mode.model_to_device(module, module, self.root_device, precision, shard=True, strict=True, ddp=_moved_by_fabric)
         return self._mode.setup_module(module, precision, ddp=super().setup_module)
@@ -243,6 +244,13 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
             if key in meta:
                 state[key] = meta.pop(key)
         return meta
+
+    @override
+    def teardown(self) -> None:
+        for prepared in self._prepared:
+            prepared.undo()
+        self._prepared = []
+        super().teardown()
 
     @classmethod
     @override

@@ -28,7 +28,7 @@ from lightning_autosp import module_hooks
 from lightning_autosp._compat import load_checkpoint_kwargs
 from autosp.arguments import check_arguments
 from autosp.backend import CompiledStep
-from autosp.compile_prep import prepare_for_compile
+from autosp.compile_prep import Prepared, prepare_for_compile
 from autosp.launch import prepare_rank
 from autosp.mesh import SPGrid
 from autosp.modes import make_mode
@@ -217,6 +217,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         self._device_mesh: Optional["DeviceMesh"] = None
         self._runner: Optional[StepRunner] = None
         self._eager_calls: list[tuple[Any, str, Any]] = []
+        self._prepared: list[Prepared] = []  # what prepare_for_compile changed, undone at teardown
         self._restored_by_strategy = False  # the last load_checkpoint loaded model and optimizers itself
 
     @property
@@ -357,7 +358,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
         assert module is not None
         if self._runner is None:
             self._runner = StepRunner(self._runner_config(), self.sp_size, self.sp_rank, self.sp_group, self.root_device)
-        prepare_for_compile(module)
+        self._prepared.append(prepare_for_compile(module))
         for name in _COMPILED_STEPS:
             if name not in module.__dict__:  # (compiled already by an earlier stage)
                 setattr(module, name, self._runner.compile(name, getattr(module, name)))
@@ -380,6 +381,9 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
                 module.__dict__.pop(name, None)
         module_hooks.restore(self._eager_calls)
         self._eager_calls = []
+        for prepared in self._prepared:
+            prepared.undo()
+        self._prepared = []
         self._runner = None
         super().teardown()
 

@@ -157,7 +157,7 @@ def replay(
             step_losses.append(loss.item())
         losses.append(step_losses)
         if (i + 1) % accumulate == 0:
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})  # (frozen: none)
             if clip is not None:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 if norms is not None:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_tiled_attention import B, D, causal_docs_padding, dense, grads, ins, positions, program, qkv
+from test_tiled_attention import B, causal_docs_padding, dense, grads, ins, positions, program, qkv
 
 from autosp.layout import ring_segment
 from autosp.ops.ring_attention import ring_backward, ring_forward, ring_steps

@@ -69,6 +69,8 @@ class SPPassStats:
     ring_attention: int = 0
     #: how the SP group split attention: ``(ulysses, ring)``
     layout: tuple[int, int] = (1, 1)
+    #: regions under the user's gradient checkpointing, recomputed whole in backward (:mod:`.checkpoints`)
+    checkpoint_regions: int = 0
     #: attention calls that keep a dense ``S x S`` mask or scores on every rank, with the mask's
     #: size at the compiled length and why it could not be tiled (reported as a warning)
     dense_masks: list[str] = field(default_factory=list)
@@ -231,7 +233,7 @@ class SPRewrite:
         new = self.graph.create_node(
             node.op, node.target if target is None else target, tuple(args), dict(kwargs), name=node.name
         )
-        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "custom"):
             if key in node.meta:
                 new.meta[key] = node.meta[key]
         return new

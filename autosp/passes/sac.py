@@ -49,6 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autosp._compat import prepare_recompute_tags
 from autosp.passes.attention_schemes import schemes
+from autosp.passes.checkpoints import checkpoint_region_of
 from autosp.passes import accounting as memory
 from autosp.passes import offload as offload_module
 from autosp.passes.offload import OffloadConfig, OffloadPlan
@@ -203,17 +204,21 @@ def block_of(node: fx.Node) -> Optional[str]:
     return None
 
 
-def block_tag_pass(joint: fx.GraphModule, *, num_fwd_outputs: int) -> fx.GraphModule:
+def block_tag_pass(
+    joint: fx.GraphModule, *, num_fwd_outputs: int, block_of: Callable[[fx.Node], Optional[str]] = block_of,
+) -> fx.GraphModule:
     """Tag a joint graph for whole-block recomputation (in place): in every transformer block,
     the forward values a later block, the rest of the step or the caller reads are ``MUST_SAVE``
     and every other forward op of the block is ``MUST_RECOMPUTE`` - attention and collectives
-    included. Untagged ops (outside the blocks) are left to :func:`sac_tag_pass`."""
+    included. Untagged ops (outside the blocks) are left to :func:`sac_tag_pass`. ``block_of``
+    names a node's block (default: its ``ModuleList`` element; the user's checkpointed regions:
+    :func:`~autosp.passes.checkpoints.checkpoint_region_of`)."""
     fwd = forward_nodes(joint, num_fwd_outputs)
     # ops a pass inserted (the SP pass's all-to-alls, pads, slices) carry no module stack: they are
     # in a block when the ops around them, in program order, are in that same block - so every SP
     # rank, whatever its token count, tags the same collectives
     order = [n for n in joint.graph.nodes if n in fwd and n.op == "call_function"]
-    own = {n: block_of(n) for n in order if n.meta.get("nn_module_stack")}
+    own = {n: block_of(n) for n in order if n.meta.get("nn_module_stack") or n.meta.get("custom")}
     before: list[Optional[str]] = []
     last: Optional[str] = None
     for n in order:
@@ -309,9 +314,12 @@ class SACPartitioner(CustomPartitionerFn):
         start = time.perf_counter()
         num_fwd_outputs: int = kwargs["num_fwd_outputs"]
         budget = 1.0
+        regions = any(checkpoint_region_of(n) is not None for n in gm.graph.nodes)
+        if self.config is not None and self.config.block:
+            block_tag_pass(gm, num_fwd_outputs=num_fwd_outputs)
+        elif regions:  # the user's gradient checkpointing: each region recomputed whole, as sac="block" does a block
+            block_tag_pass(gm, num_fwd_outputs=num_fwd_outputs, block_of=checkpoint_region_of)
         if self.config is not None:
-            if self.config.block:
-                block_tag_pass(gm, num_fwd_outputs=num_fwd_outputs)
             sac_tag_pass(gm, num_fwd_outputs=num_fwd_outputs, config=self.config)
             budget = self.config.memory_budget
         # a budget partition may be given up: it partitions a copy of the joint graph, since the
@@ -319,7 +327,7 @@ class SACPartitioner(CustomPartitionerFn):
         # recomputes, adding inputs), and those edits would carry into the fallback's partition
         trial = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if budget < 1 else gm
         fw, bw = self._partition(trial, joint_inputs, budget, kwargs)
-        block = self.config is not None and self.config.block  # recomputes attention and collectives by design
+        block = regions or (self.config is not None and self.config.block)  # recomputes attention and collectives by design
         violation = self._violation(trial, fw, bw, num_fwd_outputs, tuples_only=block) if self.checked else None
         if violation and budget < 1:
             # torch's budget solver mishandles MUST_SAVE on multi-output ops (attention): it may

@@ -41,7 +41,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autosp.errors import AutoSPError, NoSequenceDim, user_source
+from autosp.errors import AutoSPError, GraphSplitError, NoSequenceDim, user_source
 from autosp.layout import check_sequence_fits
 from autosp.passes.chunks import merge_row_chunks
 from autosp.passes.inplace import mutated_input, visit_inplace
@@ -84,7 +84,7 @@ def find_sequence_symbol(gm: fx.GraphModule, seq_dim: int) -> Optional[sympy.Sym
         for node, q, length in _attention_lengths(gm):
             if not length.free_symbols:  # the inputs were cut to a fixed length: say so, not "several sizes"
                 raise _unrelated_length(node, q, length, best)
-        raise AutoSPError(
+        raise GraphSplitError(
             f"AutoSP found several symbolic sizes at seq_dim={seq_dim} of the graph inputs "
             f"({', '.join(str(s) for s in seen)}); inputs must share one sequence length. "
             "Check `seq_dim` or make the batch's tensors the same length."
@@ -131,7 +131,7 @@ def _attention_lengths(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, sympy
 
 def _unrelated_length(node: fx.Node, q: fx.Node, length: sympy.Expr, seq: sympy.Symbol) -> AutoSPError:
     fixed = not length.free_symbols
-    return AutoSPError(
+    return GraphSplitError(
         f"{node.name}: attention runs over {length} positions (query {q.name}, shape "
         f"{list(shape_exprs(q.meta['example_value']))}), " + ("a fixed number" if fixed else "a length")
         + f" AutoSP cannot relate to the batch's sequence length {seq}; it splits a sequence whose length "
@@ -268,9 +268,8 @@ def _refuse_attention_in_subgraph(gm: fx.GraphModule, node: fx.Node) -> None:
             if isinstance(sub, fx.GraphModule) and _calls_attention(sub):
                 raise AutoSPError(
                     f"{node.name}: attention runs inside `{getattr(node.target, '__name__', node.target)}` (sub-graph "
-                    f"{a.target}), e.g. a block wrapped in torch.utils.checkpoint. AutoSP does not rewrite attention inside "
-                    "such regions. Remove torch.utils.checkpoint from the model: AutoSPStrategy(sac=True) already "
-                    "recomputes the cheap ops in backward and keeps attention outputs saved."
+                    f"{a.target}), a higher-order op AutoSP does not rewrite inside (regions under torch.utils.checkpoint "
+                    "are put in place first; this is another kind). Call attention outside it."
                 )
 
 
@@ -366,6 +365,30 @@ def sequence_parallel_pass(
     """
     if sp_size < 1 or not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} must lie in [0, sp_size={sp_size})")
+    try:
+        return _rewrite(
+            gm, sp_size, sp_rank, group_name, seq_dim, loss_chunk, kv_before_repeat, native_gqa, attention_tile, strict,
+            attention_scheme, sp_layout, max_ulysses, zigzag,
+        )
+    except GraphSplitError as exc:
+        exc.graph_has_loss = _computes_loss(gm)
+        raise
+
+
+def _computes_loss(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` computes a loss: then a graph break that ended it came after the loss."""
+    for n in gm.graph.nodes:
+        name = getattr(n.target, "__name__", str(n.target)) if n.op == "call_function" else ""
+        if name in ("cross_entropy", "nll_loss") or name.endswith("_loss"):
+            return True
+    return False
+
+
+def _rewrite(
+    gm: fx.GraphModule, sp_size: int, sp_rank: int, group_name: str, seq_dim: int, loss_chunk: Optional[int],
+    kv_before_repeat: bool, native_gqa: Optional[bool], attention_tile: Optional[int], strict: bool,
+    attention_scheme: Optional[str], sp_layout: Optional[tuple[int, int]], max_ulysses: Optional[int], zigzag: bool,
+) -> fx.GraphModule:
     seq = find_sequence_symbol(gm, seq_dim)
     manual = find_manual_attention(gm)
     n_sdpa = len(gm.graph.find_nodes(op="call_function", target=SDPA)) + len(manual)
