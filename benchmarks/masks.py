@@ -6,6 +6,9 @@ window; ``attn_implementation="sdpa"``), called as training code calls them (``u
 the model builds its mask), one row per SP group:
 
 * ``plain``: the same Llama with plain causal attention (``is_causal=True``, no mask): the floor;
+* ``causal mask``: the same Llama with its own attention, one document per row and no padding:
+  plain causal rows through the mask Hugging Face builds (what training code runs), which AutoSP
+  finds exactly causal at run time and runs as the fused kernel's ``is_causal``, no tiles;
 * ``documents dense`` / ``documents tiled``: documents of ``--doc-len`` tokens packed in the row
   (``position_ids`` restart at each), ``AutoSPStrategy(tiled_attention=False)`` / ``True``;
 * ``window dense`` / ``window tiled``: Mistral with a ``--window``-token sliding window.
@@ -13,12 +16,14 @@ the model builds its mask), one row per SP group:
 Per rank (rank 0; times: the slower rank): bytes saved for backward (the compiled graph's record,
 and what autograd really keeps, ``saved_tensors_hooks``), the peak resident memory of one
 forward+backward above the level before it (``/proc/self/clear_refs``, glibc returning large
-frees at once), the step time (median over ``--steps``), and the share of attention tiles the
+frees at once), the step time (median over ``--steps`` rounds, each timing every case once, so
+that a busy moment of the machine falls on all of them), and the share of attention tiles the
 tiled kernel computed. The tiled and dense gradients are compared (largest relative difference).
 
 The figures in BENCHMARKS.md, section 8 (part of ``make benchmarks``; about 20 minutes on 2 cores)::
 
     .venv/bin/python benchmarks/masks.py --seq-lens 16384 32768 --out benchmarks/results/masks.json
+    .venv/bin/python benchmarks/masks.py --seq-lens 16384 --cases plain "causal mask" --steps 3 --out benchmarks/results/masks_causal.json
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from autosp.ops import tiled_attention as kernel
 from autosp.backend import AutoSPBackend
 from autosp.passes.sac import SACConfig
 
-CASES = ("plain", "documents dense", "documents tiled", "window dense", "window tiled")
+CASES = ("plain", "causal mask", "documents dense", "documents tiled", "window dense", "window tiled")
 PLAIN = "benchmark_plain_causal"
 
 
@@ -92,7 +97,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         docs = (torch.arange(S) % args.doc_len)[None]
         per: dict = {}
         grads: dict = {}
-        for case in args.cases:
+        built: dict = {}
+        for case in args.cases:  # compile each case, then measure its memory in a step of its own
             model = build(case, args)
             backend = AutoSPBackend(
                 sp_size=args.sp_size, sp_rank=rank, group_name=group, backend="aot_eager", sac=SACConfig(),
@@ -111,43 +117,42 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
             compiled(x, pos).backward()  # compile
             compile_s = time.perf_counter() - t0
             model.zero_grad(set_to_none=True)
-            times, peak = [], PeakRSS()
-            for rep in range(args.steps):
-                saved = SavedBytes([*model.parameters(), *model.buffers(), x, pos]) if rep == 0 else None
-                before = dict(kernel.TILE_COUNTS)
-                dist.barrier()
-                if rep == 0:
-                    peak.start()
-                t0 = time.perf_counter()
-                if saved is not None:
-                    with saved.hooks():
-                        loss = compiled(x, pos)
-                else:
-                    loss = compiled(x, pos)
-                loss.backward()
-                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                if rep == 0:
-                    peak_bytes = peak.stop()
-                    kept = saved.total
-                    tiles = {k: kernel.TILE_COUNTS[k] - before[k] for k in before}
-                    grads[case] = {n: p.grad.clone() for n, p in model.named_parameters()}
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
-                times.append(float(dt))
-                model.zero_grad(set_to_none=True)
+            saved, peak = SavedBytes([*model.parameters(), *model.buffers(), x, pos]), PeakRSS()
+            before = dict(kernel.TILE_COUNTS)
+            dist.barrier()
+            peak.start()
+            with saved.hooks():
+                loss = compiled(x, pos)
+            loss.backward()
+            peak_bytes = peak.stop()
+            tiles = {k: kernel.TILE_COUNTS[k] - before[k] for k in before}
+            grads[case] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
             record = backend.saved_activations[-1]
             stats = backend.pass_stats[-1]
             computed = tiles["computed"] + tiles["skipped"]
             per[case] = {
-                "saved": sum(record.bytes_by_kind().values()), "kept_by_autograd": kept, "peak": peak_bytes,
-                "step_s": statistics.median(times), "compile_s": compile_s, "loss": float(loss.detach()),
-                "tiled": stats.tiled_attention, "dense_masks": len(stats.dense_masks),
-                "tiles_computed": tiles["computed"] / computed if computed else None,
+                "saved": sum(record.bytes_by_kind().values()), "kept_by_autograd": saved.total, "peak": peak_bytes,
+                "compile_s": compile_s, "loss": float(loss.detach()), "tiled": stats.tiled_attention, "dense_masks": len(stats.dense_masks),
+                "tiles_computed": tiles["computed"] / computed if computed else None, "causal_calls": tiles.get("causal", 0),
+                "times": [],
             }
+            built[case] = (model, compiled, x, pos)
+        for _ in range(args.steps):  # timed steps interleaved: each round runs every case once
+            for case, (model, compiled, x, pos) in built.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                compiled(x, pos).backward()
+                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
+                per[case]["times"].append(float(dt))
+                model.zero_grad(set_to_none=True)
+        for case, x in per.items():
+            x["step_s"] = statistics.median(x.pop("times"))
             if rank == 0:
-                print(f"S={S} {case}: step {per[case]['step_s']:.1f}s, saved {per[case]['saved'] / MiB:.1f} MiB, "
-                      f"peak {peak_bytes / MiB:.0f} MiB", flush=True)
-            del model, compiled, backend
-            torch._dynamo.reset()
+                print(f"S={S} {case}: step {x['step_s']:.1f}s, saved {x['saved'] / MiB:.1f} MiB, peak {x['peak'] / MiB:.0f} MiB", flush=True)
+        del built
+        torch._dynamo.reset()
         diffs = {}
         for kind in ("documents", "window"):
             a, b = grads.get(f"{kind} tiled"), grads.get(f"{kind} dense")
@@ -173,6 +178,8 @@ def report(res: dict) -> str:
         floor = cases.get("plain")
         for case, x in cases.items():
             tiles = f"{100 * x['tiles_computed']:.1f}%" if x["tiles_computed"] is not None else "-"
+            if x.get("causal_calls"):
+                tiles = f"none: is_causal x{x['causal_calls']}"
             vs = (f"{ratio(x['saved'], floor['saved'])} / {ratio(x['peak'], floor['peak'])} / {ratio(x['step_s'], floor['step_s'])}"
                   if floor else "-")
             lines.append(

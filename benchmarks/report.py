@@ -62,6 +62,7 @@ def run_all() -> None:
     vocab_loss.main(["--out", str(RESULTS / "vocab_loss.json")])
     compile_time.main(["--out", str(RESULTS / "compile_time.json")])
     masks.main(["--out", str(RESULTS / "masks.json")])
+    masks.main(["--seq-lens", "16384", "--cases", "plain", "causal mask", "--steps", "8", "--out", str(RESULTS / "masks_causal.json")])
     sp_split.main(["--seq-len", "1024", "--sp", "2", "4", "--out", str(RESULTS / "sp_split.json")])
     long_rows.main(["--seq-len", "32768", "--out", str(RESULTS / "long_rows.json")])
     ring_costs.main(["--seq-len", "8192", "--out", str(RESULTS / "ring_costs.json")])
@@ -187,12 +188,12 @@ def render() -> str:
         page.append(t["gpu_results"].substitute(device=gpu["device"], machine=gpu["machine"], table=gpu_check.markdown(gpu)))
     else:
         page.append(t["gpu_missing"].substitute())
-    mk = _load("masks")
+    mk, causal = _load("masks"), _load("masks_causal")
     if mk:
         c = mk["config"]
         page.append(t["masks"].substitute(
             table=masks.report(mk), wall_min=f"{mk['wall_s'] / 60:.0f}", doc_len=f"{c['doc_len']:,}", window=f"{c['window']:,}",
-            machine=mk["machine"],
+            machine=mk["machine"], causal=masks.report(causal).split("\n\n| S | mask")[0] if causal else "(not run)",
         ))
     split = _load("sp_split")
     if split:

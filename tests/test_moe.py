@@ -82,6 +82,7 @@ def test_experts_run_on_the_rank_tokens(tmp_path, devices, sp_size, backend):
     loss_err, grad_err, naive = check_against_references(run, sp_size, factory, ModelZoo.loss)
     print(f"MoE zoo {devices} devices sp{sp_size} {backend}: loss {loss_err:.2e} grad {grad_err:.2e} (naive: grad {naive:.2e})")
     graphs = run.ranks[0]["graphs"]["training_step"]
+    assert len(graphs) == 1, "one graph per step (Hugging Face's lazy hooks installed before compiling)"
     assert [f for g in graphs for f in g.fallbacks] == []
     assert sum(g.expert_dispatch for g in graphs) == len(families)
 
@@ -102,6 +103,51 @@ def test_a_dispatch_on_other_tokens_is_caught(tmp_path, monkeypatch):
     print(f"broken dispatch sp2: loss {loss_err:.2e} grad {grad_err:.2e}")
     assert run.ranks[0]["graphs"]["training_step"][0].expert_dispatch == 1
     assert min(loss_err, grad_err) > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(START_METHOD != "fork", reason="the broken sums are patched in this process: only forked ranks see it")
+def test_load_balancing_counts_summed_over_ranks_are_checked(tmp_path, monkeypatch):
+    """The negative control of the load-balancing losses: each rank's ``histc`` count of its tokens'
+    experts (Mixtral) and ``scatter_add_`` of its unpadded tokens (Qwen3-MoE) kept to itself - the
+    all-reduce over the SP group dropped - is far from one device."""
+    from sp_harness import compare, reference_fn
+
+    from autosp.passes import runtime
+
+    def local_only(kind, d, dim, index, src, group_name, group_size):
+        part = torch.zeros_like(d).scatter_add(dim, index, src) if kind == "scatter_add" else torch.zeros_like(d).index_add(dim, index, src)
+        return d + part
+
+    monkeypatch.setattr(runtime, "group_sum", lambda x, group_name, group_size: x)
+    monkeypatch.setattr(runtime, "add_over_group", local_only)
+    families = [f for f in FAMILIES if f[0] in ("mixtral_aux_loss", "qwen3_moe_padding_aux_loss")]
+    factory = lambda: ModelZoo(families)  # noqa: E731
+    run = run_fit(tmp_path, FnModule(factory, ModelZoo.loss, log_loss=False), PaddedBothSides(4, 31), devices=2, sp_size=2)
+    loss_err, grad_err = compare(run, 2, *reference_fn(factory, ModelZoo.loss, run, 2))
+    print(f"load-balancing counts not summed over ranks: loss {loss_err:.2e} grad {grad_err:.2e}")
+    assert min(loss_err, grad_err) > 1e-3
+
+
+def test_the_moe_zoo_is_one_graph_only_once_prepared():
+    """Hugging Face installs its router-logit hooks lazily, under a lock Dynamo cannot trace:
+    without :func:`prepare_for_compile` the step splits into several graphs (the loss and the
+    load-balancing loss after the break would run on gathered outputs), with it the step is one -
+    what test_experts_run_on_the_rank_tokens asserts of every compiled step."""
+    from mask_models import PaddedBothSides as Data
+
+    from autosp.compile_prep import prepare_for_compile
+
+    data = Data(2, 31)
+    batch = {k: torch.stack([data[i][k] for i in range(2)]) for k in data[0]}
+    counts = {}
+    for prepared in (False, True):
+        zoo = ModelZoo(FAMILIES[:2])
+        if prepared:
+            prepare_for_compile(zoo)
+        torch._dynamo.reset()
+        counts[prepared] = torch._dynamo.explain(lambda b: ModelZoo.loss(zoo, b))(batch).graph_count
+    assert counts == {False: counts[False], True: 1} and counts[False] > 1, counts
 
 
 # ------------------------------------------------------------------ the region, traced on one rank

@@ -378,3 +378,43 @@ def test_live_tiles_from_bounds_cover_every_unmasked_tile():
                            ins("operator", "mul", {"s": 0}, 0.3, s=True), ins("torch", "where", {"r": 4}, {"r": 5}, -math.inf, s=True)]
     exact, probed, _, _ = maps(torch.arange(seq), program(chunked, axes))
     assert torch.equal(probed > 0, exact) and int(probed.max()) == 1  # (probed: no claim about the bias)
+
+
+def test_a_mask_that_is_exactly_causal_runs_as_causal_attention():
+    """Causal rows through a mask (what Hugging Face builds under ``use_cache=False``: positions
+    compared, documents compared, padding) run as the fused kernel's ``is_causal`` over the whole
+    sequence when the batch makes them exactly causal - one document, no padding - with no tile
+    computed, and equal SDPA's ``is_causal``; a second document or one padded key keeps the tiles
+    (the controls)."""
+    from autosp.ops.live_tiles import CAUSAL
+
+    q, k, v = qkv(dtype=torch.float32, seq=70)
+    pos = torch.arange(70)
+    one_doc, pad = torch.zeros(70, dtype=torch.long), torch.ones(B, 70, dtype=torch.bool)
+    axes = [[-2, None], [None, -1], [-2, None], [None, -1], [None, -1]]
+    steps = [ins("operator", "le", {"l": 1}, {"l": 0}), ins("operator", "eq", {"l": 2}, {"l": 3}), ins("operator", "and_", {"r": 0}, {"r": 1}),
+             ins("operator", "and_", {"r": 2}, {"l": 4}), ins("operator", "mul", {"s": 0}, 1 / math.sqrt(D), s=True),
+             ins("torch", "where", {"r": 3}, {"r": 4}, -math.inf, s=True)]
+    text = program(steps, axes, dtype="float32")
+
+    def run(doc, pad):
+        leaves = [pos[:, None], pos[None, :], doc[:, None], doc[None, :], pad[:, None, None, :]]
+        before = dict(TILE_COUNTS)
+        out = attend(q, k, v, leaves, text, 16)
+        live = torch.ops.autosp_attn.live_tiles.default(leaves, text, 16, 70, 70, q.device)
+        return out, live, {key: TILE_COUNTS[key] - before[key] for key in before}
+
+    out, live, counts = run(one_doc, pad)
+    assert bool((live.diagonal() == CAUSAL).all()) and counts == {"computed": 0, "skipped": 0, "causal": 1}
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert (out - ref).abs().max() < 1e-5
+    for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
+        assert (a - b).abs().max() < 1e-5
+    two_docs = (pos >= 40).long()
+    padded = pad.clone()
+    padded[1, -3:] = False
+    for doc, p in ((two_docs, pad), (one_doc, padded)):
+        out, live, counts = run(doc, p)
+        keep = (pos[None, :] <= pos[:, None]) & (doc[:, None] == doc[None, :]) & p[:, None, None, :]
+        assert not bool((live.diagonal() == CAUSAL).any()) and counts["causal"] == 0 and counts["computed"] > 0
+        assert (out - F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)).abs().max() < 1e-5

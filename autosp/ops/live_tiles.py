@@ -21,12 +21,13 @@ import torch
 
 from autosp.ops.score_program import MASKED, ScoreProgram, _resolve, tile_positions
 
-__all__ = ["live_map", "live_tiles", "LIVE", "LIVE_NO_BIAS", "PROBE_TILES", "probe_bytes"]
+__all__ = ["live_map", "live_tiles", "exactly_causal", "is_causal_map", "LIVE", "LIVE_NO_BIAS", "CAUSAL", "PROBE_TILES", "probe_bytes"]
 
 #: key tiles the mask is evaluated over at once to find the ones it covers whole
 PROBE_TILES = 8
-#: the entries of :func:`live_tiles`' map: a tile to compute, and one to compute without its bias (0 there)
-LIVE, LIVE_NO_BIAS = 1, 2
+#: the entries of :func:`live_tiles`' map: a tile to compute, one to compute without its bias (0 there),
+#: and a diagonal tile of a mask that is exactly causal (:func:`exactly_causal`)
+LIVE, LIVE_NO_BIAS, CAUSAL = 1, 2, 3
 
 
 def probe_bytes(batch: int, heads: int, seq_len: int, tile: int) -> int:
@@ -250,14 +251,62 @@ def live_map(
             return out.to(device)
 
 
+def exactly_causal(prog: ScoreProgram, leaves: list, tile: int, live: torch.Tensor, seq_len: int) -> bool:
+    """Whether the program's logits are ``s * scale`` under a plain causal mask, for these leaves:
+    its map (``live``, of the whole sequence against itself) says every tile below the diagonal has
+    a bias of 0 throughout and every tile above it is masked, and on each diagonal tile, evaluated
+    element by element, the bias is 0 on and below the diagonal and masked above it - for every
+    batch row and head. Then attention is SDPA's ``is_causal`` (what Hugging Face's mask builder
+    makes of rows with no padding and one document: data decides it, so it is decided per call)."""
+    n = live.shape[0]
+    if prog.additive is None or live.shape != (n, n) or not _causal_pattern(live):
+        return False
+    fine = min(_FINE_TILE, tile)
+    with torch.no_grad():
+        for q0 in range(0, seq_len, tile):  # each diagonal tile: its sub-tiles from bounds, their diagonal one by one
+            q1 = min(q0 + tile, seq_len)
+            if tile > fine and not _causal_pattern(live_map(prog, leaves, fine, q1 - q0, q1 - q0, live.device, q0, q0)):
+                return False
+            for f0 in range(q0, q1, fine):
+                f1 = min(f0 + fine, q1)
+                bias = prog.bias(prog.leaf_tiles(leaves, f0, f1, f0, f1), tile_positions(prog, f0, f1, f0, f1, live.device), torch.float32)
+                if bias is None:
+                    return False
+                keep = torch.ones(f1 - f0, f1 - f0, dtype=torch.bool, device=live.device).tril()
+                if not bool((bias.masked_fill(~keep, 0.0) == 0).all()) or not bool((bias.masked_fill(keep, MASKED) <= MASKED).all()):
+                    return False
+    return True
+
+
+#: rows and columns of the sub-tiles :func:`exactly_causal` bounds a diagonal tile with
+_FINE_TILE = 32
+
+
+def _causal_pattern(live: torch.Tensor) -> bool:
+    """Every tile below the diagonal live with a bias of 0, every tile above it masked."""
+    n = live.shape[0]
+    below = torch.ones(n, n, dtype=torch.bool, device=live.device).tril(-1)
+    return bool((live[below] == LIVE_NO_BIAS).all()) and not bool(live[below.T].any())
+
+
+def is_causal_map(rows: list[list[int]]) -> bool:
+    """Whether a live-tile map (as lists) was marked exactly causal (its diagonal :data:`CAUSAL`)."""
+    return bool(rows) and all(row[i] == CAUSAL for i, row in enumerate(rows))
+
+
 @torch.library.custom_op("autosp_attn::live_tiles", mutates_args=())
 def live_tiles(leaves: list[torch.Tensor], program: str, tile: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """:func:`live_map` of the whole sequence, as an op: the tiles of (query rows x key columns)
     :func:`~autosp.ops.tiled_attention.tiled_attention` computes (nonzero) - those whose logits the
     score program's mask may leave unmasked, from the program's bounds over each tile
     (:func:`_interval_live`, which also marks the tiles where a bias is 0 throughout), or element
-    by element for a program with an op interval arithmetic does not cover."""
-    return live_map(ScoreProgram.parse(program), leaves, tile, q_len, kv_len, device).clone()
+    by element for a program with an op interval arithmetic does not cover. A mask that is exactly
+    causal (:func:`exactly_causal`) gets its diagonal marked :data:`CAUSAL`."""
+    prog = ScoreProgram.parse(program)
+    live = live_map(prog, leaves, tile, q_len, kv_len, device).clone()
+    if q_len == kv_len and exactly_causal(prog, leaves, tile, live, q_len):
+        live.diagonal().fill_(CAUSAL)
+    return live
 
 
 @live_tiles.register_fake

@@ -30,10 +30,14 @@ import torch
 from autosp.ops.live_tiles import LIVE_NO_BIAS
 from autosp.ops.score_program import MASKED, ScoreProgram, tile_positions
 
-__all__ = ["forward_rows", "backward_rows", "finish_rows", "merge", "fused", "tiles", "heads_inside", "acc_dtype", "TILE_COUNTS"]
+__all__ = [
+    "forward_rows", "backward_rows", "finish_rows", "merge", "fused", "tiles", "heads_inside", "acc_dtype", "causal_forward",
+    "causal_backward", "TILE_COUNTS",
+]
 
-#: tiles the forward computed and skipped in this process so far (read by the tests and benchmarks)
-TILE_COUNTS = {"computed": 0, "skipped": 0}
+#: tiles the forward computed and skipped in this process so far, and the attention calls it ran as
+#: plain causal attention instead (no tiles; read by the tests and benchmarks)
+TILE_COUNTS = {"computed": 0, "skipped": 0, "causal": 0}
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -249,3 +253,23 @@ def backward_rows(
         dqg += ds @ kb
         dk[:, :, k0:k1] += ds.transpose(-1, -2) @ qg
     return dqg.view(B, Hq, tq, D)
+
+
+def causal_forward(prog: ScoreProgram, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> State:
+    """The final state of every row of a mask that is exactly causal (see
+    :func:`~autosp.ops.live_tiles.exactly_causal`): PyTorch's fused attention kernel over the
+    whole sequence with ``is_causal`` (no tiles, no mask), ``(m, l, acc)`` = ``(lse, 1, out)``
+    (``out`` normalised already, in the inputs' dtype and the kernel's layout)."""
+    out, lse = _FLASH(q, k, v, 0.0, True, scale=prog.additive[0])
+    TILE_COUNTS["causal"] += 1
+    lse = lse.to(acc_dtype(q))
+    return lse, torch.ones_like(lse), out
+
+
+def causal_backward(
+    prog: ScoreProgram, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    m: torch.Tensor, l: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`causal_forward`: the fused kernel's backward, ``is_causal``."""
+    lse = (m + torch.log(l)).to(torch.float32 if q.dtype != torch.float64 else q.dtype)
+    return _FLASH_BACKWARD(grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, True, scale=prog.additive[0])

@@ -12,7 +12,10 @@ mask. Three ops:
   every attention that reads the same mask.
 * :func:`tiled_attention` - per query block, an online softmax over its live key tiles (fp32
   running max, sum and output; :mod:`autosp.ops.tile_kernels`). It returns the output and, per
-  query row, the running max ``m`` and sum ``l``.
+  query row, the running max ``m`` and sum ``l``. A mask that is exactly causal for the batch in
+  hand (Hugging Face's mask builder on rows with no padding and one document: the map says so,
+  :func:`~autosp.ops.live_tiles.exactly_causal`) runs, on CPU, as PyTorch's fused kernel with
+  ``is_causal`` over the whole sequence instead: no tiles.
 * :func:`tiled_attention_backward` - each live tile recomputed (``p = exp(z - m) / l``) with the
   derivative ``dz/ds`` of the program, which is element-wise in ``s`` (scaling, soft-capping
   ``tanh``, masks added or filled in). Leaves get no gradient (the pass keeps the dense path for
@@ -37,14 +40,16 @@ import pathlib
 
 import torch
 
-from autosp.ops.live_tiles import LIVE, LIVE_NO_BIAS, PROBE_TILES, live_map, live_tiles, probe_bytes
+from autosp.ops.live_tiles import CAUSAL, LIVE, LIVE_NO_BIAS, PROBE_TILES, is_causal_map, live_map, live_tiles, probe_bytes
 from autosp.ops.score_program import MASKED, TANGENT_RULES, ScoreProgram, is_known_call
-from autosp.ops.tile_kernels import TILE_COUNTS, acc_dtype, backward_rows, finish_rows, forward_rows, heads_inside, tiles
+from autosp.ops.tile_kernels import (
+    TILE_COUNTS, acc_dtype, backward_rows, causal_backward, causal_forward, finish_rows, forward_rows, fused, heads_inside, tiles,
+)
 
 __all__ = [
     "attend", "tiled_attention", "tiled_attention_backward", "live_tiles", "live_map", "ScoreProgram", "MASKED", "DEFAULT_TILE",
     "TILE_COUNTS", "workspace_bytes", "probe_bytes", "KERNEL_VERSION", "TANGENT_RULES", "is_known_call", "LIVE", "LIVE_NO_BIAS",
-    "PROBE_TILES",
+    "CAUSAL", "PROBE_TILES",
 ]
 
 #: query rows and key columns per tile on CPU (one tile of fp32 scores for 8 heads: 8 MiB)
@@ -73,6 +78,14 @@ def workspace_bytes(q_shape: tuple, kv_shape: tuple, dtype: torch.dtype, tile: i
     return tiles_ + block + acc
 
 
+def in_layout(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``like``'s dtype and strides (what the fake kernel promised): itself when it has
+    them (the fused kernel writes its output and gradients in its inputs' layouts), else a copy."""
+    if x.dtype == like.dtype and x.stride() == like.stride():
+        return x
+    return torch.empty_like(like).copy_(x)
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"tiled_attention expects [B, H, S, D] q, k, v; got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
@@ -97,6 +110,9 @@ def tiled_attention(
     l_all = torch.empty((B, Hq, Sq), dtype=acc_dtype(q), device=q.device)
     rows = live.tolist()
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+        if is_causal_map(rows) and fused(prog, q, v):  # exactly causal: the fused kernel, no tiles
+            m, l, res = causal_forward(prog, q, k, v)
+            return in_layout(res.to(prog.out_dtype), out), m, l
         for i, (q0, q1) in enumerate(tiles(Sq, tile)):
             res, m, l = finish_rows(forward_rows(prog, q, k, v, leaves, q0, q1, tile, rows[i]))
             out[:, :, q0:q1] = res.to(out.dtype)
@@ -131,6 +147,9 @@ def tiled_attention_backward(
     dv = heads_inside(v, tuple(v.shape), dtype, zero=True)
     rows = live.tolist()
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+        if is_causal_map(rows) and fused(prog, q, v):
+            grads = causal_backward(prog, grad_out, q, k, v, out, m, l)
+            return tuple(in_layout(g, x) for x, g in zip((q, k, v), grads))  # the inputs' layouts, as the fake says
         delta = (grad_out.to(dtype) * out.to(dtype)).sum(-1)  # [B, Hq, Sq]
         for i, (q0, q1) in enumerate(tiles(Sq, tile)):
             dq_blk = backward_rows(prog, grad_out, q, out, m, l, delta, k, v, leaves, q0, q1, tile, rows[i], dk, dv)
