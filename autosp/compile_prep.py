@@ -17,6 +17,11 @@ regions itself (:mod:`autosp.passes.checkpoints`), so the hook is not needed the
 off while AutoSP compiles the module and put back by :meth:`Prepared.undo` (the strategies'
 ``teardown``).
 
+A model that reaches the process unpickled (a rank started by ``spawn`` or a fork server) was
+not constructed there: transformers registers what a model class records (router logits for the
+load-balancing loss) in its ``__init__``, so the rank's registry lacks it and the loss would see
+no router logits. :func:`prepare_for_compile` registers it as ``__init__`` does.
+
 Nothing here imports a library the user did not import.
 """
 
@@ -74,11 +79,17 @@ def prepare_for_compile(module: torch.nn.Module) -> Prepared:
         )
     try:
         from transformers import PreTrainedModel
-        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, maybe_install_capturing_hooks
     except ImportError:  # another transformers version: nothing lazy to do ahead
         return prepared
-    for m in module.modules():
-        if isinstance(m, PreTrainedModel) and not getattr(m, "_output_capturing_hooks_installed", False):
+    models = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
+    for m in models:  # every class first: a model's hooks read its sub-models' registrations
+        if not _CAN_RECORD_REGISTRY.get(m) and getattr(m, "_can_record_outputs", None):
+            # unpickled into this process (a rank started by spawn or a fork server), the model was not
+            # constructed here, where its class registers what it records: register it as __init__ does
+            _CAN_RECORD_REGISTRY[m] = m._can_record_outputs
+    for m in models:
+        if not getattr(m, "_output_capturing_hooks_installed", False):
             maybe_install_capturing_hooks(m)
             prepared.models += 1
     if prepared.models:

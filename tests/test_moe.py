@@ -60,11 +60,7 @@ INDUCTOR_FAMILIES = [("deepseek_v3_moe_layer", moe_factory("deepseek_v3", 25, la
     [
         pytest.param(2, 2, "inductor", marks=pytest.mark.skipif(
             not collectives_keep_their_order(), reason="this torch has no control_deps: inductor may reorder collectives")),
-        pytest.param(4, 2, "aot_eager", marks=pytest.mark.xfail(
-            torch.__version__.startswith("2.15"), strict=False,
-            reason="torch 2.15: transformers' router logits are not captured in the compiled step of a Lightning rank "
-            "(its load_balancing_loss_func gets None and returns the int 0, `aux_loss.to` fails); the length constraint "
-            "that hid it is fixed (one constrained sequence dim per batch)")),
+        pytest.param(4, 2, "aot_eager"),
     ],
     ids=["sp2-inductor", "dp2xsp2"],
 )
