@@ -13,8 +13,8 @@ TORCH_SPEC ?= torch==2.13.0
 
 # the compatibility subset: version gates, the pass, SAC, GPT and Llama numerics with SAC on and
 # off, the Hugging Face decoders, the CLI, the sharded mode and its checkpoints, LitGPT and the
-# Fabric strategy, whole-block recompute, the tiled regions and the core without Lightning (docs/testing.md
-# lists where it passed)
+# Fabric strategy, whole-block recompute, the tiled regions, the core without Lightning, the ring level,
+# gradient checkpointing and LoRA (docs/testing.md lists where it passed)
 LIGHTNING_SPEC ?=
 COMPAT_VENV ?= .venv-compat-$(shell echo '$(TORCH_SPEC)$(if $(LIGHTNING_SPEC),-$(LIGHTNING_SPEC))' | tr -c 'A-Za-z0-9.\n-' '_')
 COMPAT_TESTS := tests/test_compat.py tests/test_strategy.py tests/test_pass.py tests/test_sac.py \
@@ -28,7 +28,11 @@ COMPAT_TESTS := tests/test_compat.py tests/test_strategy.py tests/test_pass.py t
 	tests/test_failures.py::test_fork_launch_in_a_notebook tests/test_failures.py::test_forkserver_launch_gives_each_rank_its_own_parameters \
 	'tests/test_litgpt.py::test_litgpt_matches_one_device[llama-pretrain-2]' tests/test_fabric.py tests/test_moe.py \
 	tests/test_offload.py::test_block_recompute_is_exact tests/test_tiled_mlp.py::test_regions_are_the_mlps_with_their_norms \
-	tests/test_tiled_mlp.py::test_bf16_norms_are_tiled_too tests/test_plain_torch.py
+	tests/test_tiled_mlp.py::test_bf16_norms_are_tiled_too tests/test_plain_torch.py \
+	tests/test_ring_attention.py 'tests/test_ring.py::test_ring_layouts_match_one_device[llama-gqa-ulysses2xring2-31]' \
+	'tests/test_ring.py::test_ring_layouts_match_one_device[auto-3heads-sp2]' tests/test_ring.py::test_default_configuration_on_a_ring \
+	'tests/test_checkpointing.py::test_hugging_face_gradient_checkpointing_matches_one_device[sp2]' \
+	tests/test_checkpointing.py::test_checkpointing_written_by_hand_matches_one_device 'tests/test_lora.py::test_lora_matches_one_device[sharded]'
 
 .PHONY: demo test install benchmarks test-compat
 install: $(VENV)/.installed
@@ -46,7 +50,7 @@ demo: install
 	$(VENV)/bin/lightning-autosp fit --config configs/demo_cpu.yaml
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 benchmarks: install
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --disable-pip-version-check -e ".[bench]"

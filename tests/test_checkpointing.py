@@ -29,7 +29,16 @@ def hf_llama(reentrant, lora=False, checkpointing=True):
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
         if reentrant and checkpointing:
             model.enable_input_require_grads()
+    for m in model.modules():  # the same hooks as functions of this module: ranks started by a fork server unpickle them
+        for key, hook in list(m._forward_hooks.items()):
+            if getattr(hook, "__name__", "").startswith("make_inputs_require_grad"):
+                m._forward_hooks[key] = make_inputs_require_grads
     return model
+
+
+def make_inputs_require_grads(module, input, output):
+    """Hugging Face's and peft's hook (``enable_input_require_grads``), under their name."""
+    output.requires_grad_(True)
 
 
 #: the four recipes of the done-when list, trained together (one step function, one fit)

@@ -89,6 +89,14 @@ class FixedLengthModule(LMModule):
         return loss
 
 
+class ThreeHeads(LMModule):
+    def __init__(self):
+        super().__init__("gpt", log_loss=True)  # self.log(loss): a graph break after the loss
+        from autosp.models import GPT, GPTConfig
+
+        self.model = GPT(GPTConfig.tiny(vocab_size=VOCAB, n_layers=1, n_heads=3, dim=24))
+
+
 def test_refusals_list_only_the_graph_breaks_before_the_loss(tmp_path):
     """A refusal a graph break inside the model could explain (attention over a fixed length) does
     not name the break after the loss (`float(loss)`) as its cause; a refusal no graph break
@@ -97,13 +105,6 @@ def test_refusals_list_only_the_graph_breaks_before_the_loss(tmp_path):
     with pytest.raises(Exception, match=r"(?s)attention runs over 8 positions.*a fixed number") as info:
         run_fit(tmp_path, FixedLengthModule(), TokenData(8, 16), devices=2, sp_size=2, steps=1)
     assert "several graphs" not in str(info.value) and "graph break inside the model" not in str(info.value)
-
-    class ThreeHeads(LMModule):
-        def __init__(self):
-            super().__init__("gpt", log_loss=True)  # self.log(loss): a graph break after the loss
-            from autosp.models import GPT, GPTConfig
-
-            self.model = GPT(GPTConfig.tiny(vocab_size=VOCAB, n_layers=1, n_heads=3, dim=24))
 
     with pytest.raises(Exception, match=r"3 attention heads.*not divisible by sp_size=2") as info:
         run_fit(tmp_path, ThreeHeads(), TokenData(8, 16), devices=2, sp_size=2, steps=1, sp_layout=(2, 1))
