@@ -140,10 +140,13 @@ def dense_or_false(tensor: torch.Tensor) -> bool:
     return bool(torch._prims_common._is_non_overlapping_and_dense_or_false(tensor.shape, tensor.stride()))
 
 
+#: Dynamo can trace a region under torch.utils.checkpoint whose forward sets Python state
+#: (``skip_fwd_side_effects_in_bwd_under_checkpoint``; 2.13 and 2.15 have it, 2.9 does not)
+TRACES_CHECKPOINT_SIDE_EFFECTS = hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint")
+
+
 def checkpoint_tracing_config() -> dict:
     """Dynamo settings under which a region under ``torch.utils.checkpoint`` whose forward sets
     Python state (Hugging Face's kernel-selection context) is traced as one region instead of
     splitting the step into several graphs (torch >= 2.10 has the switch; older versions split)."""
-    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-        return {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
-    return {}
+    return {"skip_fwd_side_effects_in_bwd_under_checkpoint": True} if TRACES_CHECKPOINT_SIDE_EFFECTS else {}

@@ -34,6 +34,9 @@ from typing import Any, Callable
 
 import torch
 
+from autosp._compat import TRACES_CHECKPOINT_SIDE_EFFECTS
+from autosp.errors import AutoSPError
+
 __all__ = ["prepare_for_compile", "Prepared"]
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,14 @@ def prepare_for_compile(module: torch.nn.Module) -> Prepared:
     except ImportError:  # another transformers version: nothing lazy to do ahead
         return prepared
     models = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
+    if not TRACES_CHECKPOINT_SIDE_EFFECTS and any(getattr(sub, "gradient_checkpointing", False) is True for m in models for sub in m.modules()):
+        raise AutoSPError(
+            f"AutoSP: a Hugging Face model has gradient checkpointing on (gradient_checkpointing_enable()), which this torch "
+            f"({torch.__version__}) cannot trace as one graph: its Dynamo lacks skip_fwd_side_effects_in_bwd_under_checkpoint, and "
+            "each checkpointed layer sets Python state that would split the step. Turn gradient checkpointing off "
+            "(model.gradient_checkpointing_disable()) and use AutoSPStrategy(sac='block'), which recomputes each layer whole "
+            "as checkpointing does, or use torch >= 2.13."
+        )
     for m in models:  # every class first: a model's hooks read its sub-models' registrations
         if not _CAN_RECORD_REGISTRY.get(m) and getattr(m, "_can_record_outputs", None):
             # unpickled into this process (a rank started by spawn or a fork server), the model was not
