@@ -182,15 +182,10 @@ class StepRunner:
         else:
             check_sequence_fits(seq_len, self.sp_size)
         self.marked, self.marked_length = [], seq_len
-        # one dim carries the constraint (an error names the code that fixes the length); the others
-        # follow it: torch 2.15 gives each a symbol of its own and equates them where the step meets
-        # them (labels and logits), which a constraint on each would refuse
-        primary = next((t for _, t in paths if t.dim() > seq_dim and t.shape[seq_dim] == seq_len and not t.is_floating_point()), None)
         for path, t in paths:
             for d in range(1, t.dim()):
                 if t.shape[d] == seq_len:
-                    mark = torch._dynamo.mark_dynamic if t is primary and d == seq_dim else torch._dynamo.maybe_mark_dynamic
-                    mark(t, d)
+                    torch._dynamo.mark_dynamic(t, d)
                     self.marked.append(f"batch{path} dim {d}")
 
     def _check_same_graphs(self, step: str, counts: list[int]) -> None:
