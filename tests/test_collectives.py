@@ -90,6 +90,7 @@ def _ring_exchange_rank(rank: int, world: int, seq_len: int, batch: int, ring: i
     return {"heads": heads.detach(), "back": back.detach(), "grad": x.grad, "start": start, "count": count, "positions": positions, "first": first}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,ring,seq_len,zigzag", [(4, 2, 31, True), (4, 4, 37, True), (3, 3, 20, True), (4, 2, 30, False)])
 def test_ring_exchange_and_its_adjoint(tmp_path, world, ring, seq_len, zigzag):
     """Each rank receives its head group for exactly the positions of its ring segment (head and

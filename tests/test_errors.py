@@ -97,6 +97,7 @@ class ThreeHeads(LMModule):
         self.model = GPT(GPTConfig.tiny(vocab_size=VOCAB, n_layers=1, n_heads=3, dim=24))
 
 
+@pytest.mark.slow
 def test_refusals_list_only_the_graph_breaks_before_the_loss(tmp_path):
     """A refusal a graph break inside the model could explain (attention over a fixed length) does
     not name the break after the loss (`float(loss)`) as its cause; a refusal no graph break

@@ -126,6 +126,7 @@ def test_load_balancing_counts_summed_over_ranks_are_checked(tmp_path, monkeypat
     assert min(loss_err, grad_err) > 1e-3
 
 
+@pytest.mark.slow
 def test_the_moe_zoo_is_one_graph_only_once_prepared():
     """Hugging Face installs its router-logit hooks lazily, under a lock Dynamo cannot trace:
     without :func:`prepare_for_compile` the step splits into several graphs (the loss and the

@@ -95,7 +95,9 @@ def check(out, ref, inputs, tol=1e-12):
         assert (a - b).abs().max() < tol
 
 
-@pytest.mark.parametrize("ring_size,tile,zigzag", [(2, 5, True), (3, 4, True), (4, 3, True), (2, 8, False)])
+@pytest.mark.parametrize("ring_size,tile,zigzag", [
+    (2, 5, True), pytest.param(3, 4, True, marks=pytest.mark.slow), pytest.param(4, 3, True, marks=pytest.mark.slow), (2, 8, False),
+])
 def test_ring_matches_sdpa_with_documents_and_padding(ring_size, tile, zigzag):
     """Causal over packed documents with key padding (bool: the fused path), GQA, 37 positions."""
     q, k, v = qkv(seq=S)
@@ -150,6 +152,7 @@ def test_ring_rows_with_no_key_and_soft_capping():
     check(ring(q, k, v, leaves, program(steps, axes), 5, 2), dense(q, k, v, lambda s: torch.tanh(s * 0.35 / 5.0) * 5.0 + bias), (q, k, v))
 
 
+@pytest.mark.slow
 def test_head_tail_split_balances_causal_work():
     """Under a causal mask each ring rank computes the same number of tiles with the head-tail
     split (within one tile row); the contiguous split - the control - gives the last rank many
