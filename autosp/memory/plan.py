@@ -371,7 +371,7 @@ def render_text(res: dict) -> str:
         lines.append(f"  sp_size={g['sp_size']:<4} dp={g['dp_size']:<3} {how:<32} longest {g['longest']:>12,}")
     lines += [
         "",
-        f"sp_size={res['sp_size']} as ulysses={u} x ring={r}: per rank at {req['seq_len']:,} tokens, GiB (host: per node)",
+        f"sp_size={res['sp_size']} as ulysses={u} x ring={r}: per rank at {req['seq_len']:,} tokens, GiB",
         _line([h for h, _ in _COLUMNS]),
     ]
     yes = lambda flag: "yes" if flag else "no"  # noqa: E731
@@ -383,8 +383,9 @@ def render_text(res: dict) -> str:
             _gib(a["peak"] - a["saved"]), _gib(a["host"] * req["gpus_per_node"]), yes(row["fits"]), f"{row['longest']:,}",
             row["limit"],
         ]))
-    lines.append("rec.: recomputed in backward (SAC: matmuls and norms; blocks: whole blocks); tiles: tiled MLPs;")
-    lines.append("off: activation offload; trans.: transients at the peak; limit: what stops the next length.")
+    lines.append("rec.: recomputed in backward (SAC: matmuls and norms; blocks: whole blocks);")
+    lines.append("tiles: tiled MLPs; off: activation offload; trans.: transients at the peak;")
+    lines.append("host: host memory per node; limit: what stops the next length.")
     rec = res["recommended"]
     lines.append("")
     if rec is None:
