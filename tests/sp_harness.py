@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -383,8 +384,9 @@ def run_fit(
     plain DDP (``ddp_unshared``: with :class:`Unshared`; ``distributed_sampler=False``: every
     rank reads every batch); ``strategy``: another Lightning strategy, run as given."""
     os.environ["MASTER_PORT"] = str(free_port())
-    out = tmp_path / f"run_{devices}_{sp_size}_{id(module)}"
-    out.mkdir()
+    # a fresh directory per fit (a name from id(module) repeated when a test's second module
+    # reused the freed first one's address)
+    out = Path(tempfile.mkdtemp(prefix=f"run_{devices}_{sp_size}_", dir=tmp_path))
     if strategy is not None:
         pass
     elif sp_size is None:
