@@ -1,3 +1,4 @@
+import logging
 import multiprocessing
 import os
 
@@ -9,6 +10,13 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Inductor tests share one cache so that only the first compile is cold.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "inductor"))
+# torch's structured trace log (TORCH_TRACE, for tlparse) does not propagate, and pytest >= 9
+# attaches its capture handlers to every logger that does not: each compile in the test process
+# (and in the ranks forked from it) then builds its trace payloads and a failing test prints
+# pages of empty 'DEBUG torch.__trace' records. Propagating, it gets no handler of pytest's and,
+# as outside pytest, none at all (torch's lazy handler removes itself when TORCH_TRACE is unset).
+if not os.environ.get("TORCH_TRACE"):
+    logging.getLogger("torch.__trace").propagate = True
 
 
 @pytest.fixture(autouse=True)
