@@ -99,6 +99,7 @@ def test_litgpt_matches_one_device(tmp_path, family, recipe, devices):
     assert sum(g.fused_losses for g in graphs) == (0 if family == "gemma2" else 1)
 
 
+@pytest.mark.slow
 def test_litgpt_sliding_window_mask_is_a_clear_error(tmp_path):
     """LitGPT builds Gemma-2's sliding-window mask row by row (``for i in range(T)``), which makes
     the sequence length a Python number: the error points at that line, not at the batch."""

@@ -255,6 +255,7 @@ def test_no_sequence_squared_tensor_at_4096_tokens(case):
         assert dense["saved"] > 1.5 * baseline["saved"]
 
 
+@pytest.mark.slow
 def test_masks_that_stay_dense_are_reported():
     """A mask given as data (a batch input), a learned bias (it needs a gradient) and
     tiled_attention=False keep SDPA with the dense mask, each reported with its size and why."""

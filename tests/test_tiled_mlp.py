@@ -86,6 +86,7 @@ def test_regions_are_the_mlps_with_their_norms():
         assert tile_token_regions(_graph(make_model(kind), ids, ids), tile=0, min_tiles=2) == []
 
 
+@pytest.mark.slow
 def test_bf16_norms_are_tiled_too():
     """In bf16 an RMSNorm's fp32 intermediates are twice as wide as its rows: the norm before each
     attention and the final norm become regions of their own (3 + 2 regions in a two-layer Llama),
