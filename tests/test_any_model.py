@@ -73,7 +73,7 @@ class MaskData(TokenData):
         return {**super().__getitem__(i), "mask": self.masks[i]}
 
 
-@pytest.mark.parametrize("kind", ["bool_b1ss", "float_b1ss", "bool_bhss"])
+@pytest.mark.parametrize("kind", ["bool_b1ss", pytest.param("float_b1ss", marks=pytest.mark.slow), "bool_bhss"])
 def test_explicit_attention_masks(tmp_path, kind):
     factory = lambda: TinyAttentionLM(layers=1)  # noqa: E731
     run = run_fit(tmp_path, FnModule(factory, tiny_loss, log_loss=False), MaskData(8, 24, kind), devices=2, sp_size=2)

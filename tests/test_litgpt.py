@@ -114,6 +114,7 @@ def test_litgpt_sliding_window_mask_is_a_clear_error(tmp_path):
         run_fit(tmp_path, FnModule(factory, pretrain_loss, log_loss=False), TokenData(4, 18), devices=2, sp_size=2, steps=1)
 
 
+@pytest.mark.slow
 def test_litgpt_lm_head_chunk_of_one_token_is_a_clear_error(tmp_path):
     """LitGPT's fine-tuning recipe at 18 tokens with chunks of 17: the last lm_head chunk has one
     position, so Dynamo fixes the sequence length. The error says so, instead of blaming the
