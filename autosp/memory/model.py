@@ -239,7 +239,7 @@ def _trace_step(
         cfg = replace(cfg, sliding_window=WINDOW_TOKENS)
     with torch.device("meta"):
         model = Llama(cfg)
-    model = keep_rope_fp32(model.to_empty(device="cpu").to(dtype))
+    model = keep_rope_fp32(model.to(dtype).to_empty(device="cpu"))  # cast on meta: no full-size copy
     if variants[0] == "no_sp_ac":
         model.layers = torch.nn.ModuleList(_Checkpointed(b) for b in model.layers)
 
