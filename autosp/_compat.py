@@ -148,5 +148,6 @@ TRACES_CHECKPOINT_SIDE_EFFECTS = hasattr(torch._dynamo.config, "skip_fwd_side_ef
 def checkpoint_tracing_config() -> dict:
     """Dynamo settings under which a region under ``torch.utils.checkpoint`` whose forward sets
     Python state (Hugging Face's kernel-selection context) is traced as one region instead of
-    splitting the step into several graphs (torch >= 2.10 has the switch; older versions split)."""
+    splitting the step into several graphs (where torch lacks the switch, prepare_for_compile refuses
+    Hugging Face gradient checkpointing, see :data:`TRACES_CHECKPOINT_SIDE_EFFECTS`)."""
     return {"skip_fwd_side_effects_in_bwd_under_checkpoint": True} if TRACES_CHECKPOINT_SIDE_EFFECTS else {}

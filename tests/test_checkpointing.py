@@ -12,6 +12,7 @@ from mask_models import hf_factory
 from sp_harness import FnModule, TokenData, check_against_references, lm_loss, make_model, run_fit
 
 from autosp._compat import TRACES_CHECKPOINT_SIDE_EFFECTS
+from autosp.compile_prep import _REQUIRE_GRADS_HOOKS
 from autosp.errors import AutoSPError
 
 
@@ -32,7 +33,7 @@ def hf_llama(reentrant, lora=False, checkpointing=True):
             model.enable_input_require_grads()
     for m in model.modules():  # the same hooks as functions of this module: ranks started by a fork server unpickle them
         for key, hook in list(m._forward_hooks.items()):
-            if getattr(hook, "__name__", "").startswith("make_inputs_require_grad"):
+            if getattr(hook, "__name__", "") in _REQUIRE_GRADS_HOOKS:
                 m._forward_hooks[key] = make_inputs_require_grads
     return model
 
