@@ -19,15 +19,17 @@ EXAMPLE = ROOT / "examples" / "plain_torch.py"
 STEPS, SEQ_LEN = 3, 128
 TOL = 1e-4
 
-_LOADED = (
+_LOADED = (  # preparing a model that is not Hugging Face's imports no transformers (seconds per rank)
     "import sys, autosp, autosp.modes, autosp.steps, autosp.checkpoint, autosp.memory.plan, autosp.models; "
-    "print(sorted({m.split('.')[0] for m in sys.modules} & {'lightning', 'lightning_fabric', 'pytorch_lightning', 'lightning_autosp'}))"
+    "from autosp.compile_prep import prepare_for_compile; prepare_for_compile(autosp.models.GPT(autosp.models.GPTConfig.tiny(vocab_size=64))); "
+    "print(sorted({m.split('.')[0] for m in sys.modules} & {'lightning', 'lightning_fabric', 'pytorch_lightning', 'lightning_autosp', 'transformers'}))"
 )
 
 
 def test_core_imports_without_lightning():
-    """Every core module imports with no Lightning package loaded; the same probe after
-    ``import lightning_autosp`` finds them (the probe can fail)."""
+    """Every core module imports with no Lightning package loaded, and preparing a model that is not
+    Hugging Face's for compiling imports no transformers; the same probe after
+    ``import lightning_autosp`` finds Lightning (the probe can fail)."""
     probes = [  # both at once (each imports torch: seconds)
         subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for code in (_LOADED, "import lightning_autosp; " + _LOADED)
