@@ -15,6 +15,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from autosp._compat import graph_break_counter
 from autosp._gc import full_collections_deferred
 from autosp.ops.local_shapes import LocalShapeCompiled, LocalShapes, add_chunk_input, build_local_shapes
 from autosp.passes.accounting import SavedActivations, empty_by_kind
@@ -158,6 +159,9 @@ class AutoSPBackend:
     #: seconds spent so far in AutoSP's own compile steps: ``"sp_pass"`` (the SP pass) and
     #: ``"partition"`` (SAC tagging, the min-cut partition and its checks, the records)
     timings: dict[str, float] = field(default_factory=lambda: {"sp_pass": 0.0, "partition": 0.0}, repr=False)
+    #: Dynamo's graph-break counts (by reason) when each graph reached this backend: the breaks
+    #: counted between two compiles ended the second graph (:meth:`autosp.steps.StepRunner.run`)
+    break_marks: list[dict[str, int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.offload is not None and self.backend not in AOT_BACKENDS:
@@ -173,6 +177,7 @@ class AutoSPBackend:
             )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        self.break_marks.append(graph_break_counter())
         with full_collections_deferred():  # see autosp._gc
             return self._compile(gm, example_inputs)
 

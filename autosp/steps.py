@@ -136,6 +136,8 @@ class StepRunner:
         in messages (``"MyModule.training_step"``)."""
         self.prepare_batch(batch, name)
         breaks_before = Counter(graph_break_counter())
+        backend = self.backends.get(name)
+        compiles_before = len(backend.break_marks) if backend is not None else 0
         try:
             out = fn(*args, **kwargs)
         except Exception as exc:
@@ -149,9 +151,13 @@ class StepRunner:
                 raise _specialized_length_error(self.marked_length, self.marked) from exc
             if not cause.graph_breaks_may_explain:
                 raise AutoSPError(str(cause)) from exc
-            breaks = list((Counter(graph_break_counter()) - breaks_before).keys())
-            if breaks and cause.graph_has_loss:  # the break that ended it (`float(loss)`, `self.log`) stands after the loss
-                breaks = breaks[:-1]
+            breaks_until = Counter(graph_break_counter())
+            if cause.graph_has_loss and backend is not None:
+                # a break that ended the graph with the loss (`float(loss)`) stands after the loss: only
+                # those counted before that graph was traced (at the compile before it) can explain it
+                marks = backend.break_marks[compiles_before:-1]
+                breaks_until = Counter(marks[-1]) if marks else breaks_before
+            breaks = list((breaks_until - breaks_before).keys())
             raise AutoSPError(f"{cause}{_describe_breaks(breaks)}") from exc
         self._check_rewritten(name, where)
         self._check_packed_positions(name, batch)

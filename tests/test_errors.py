@@ -76,6 +76,32 @@ def test_graph_break_inside_the_model_is_reported(tmp_path, mode):
 
 
 
+class BreakInTheStep(LMModule):
+    """A graph break in ``training_step`` between two losses: the first graph (the model over the
+    batch, its loss) compiles; the second (the model over the first 8 tokens, a fixed length, its
+    loss, then ``self.log``) is refused."""
+
+    def __init__(self):
+        super().__init__("gpt", log_loss=True)
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch["input_ids"], batch["labels"]
+        first = F.cross_entropy(self.model(ids).flatten(0, 1), labels.flatten())
+        print("between the losses")
+        loss = first + F.cross_entropy(self.model(ids[:, :8]).flatten(0, 1), labels[:, :8].flatten())
+        self.log("train_loss", loss)  # no graph break (made when the step returns)
+        return loss
+
+
+@pytest.mark.slow
+def test_a_break_before_the_graph_with_the_loss_is_listed(tmp_path):
+    """The graph with the loss refused, a graph break before it and none after it: the break is
+    listed. Only a break that ended the refused graph stands after its loss; dropping the last
+    break counted instead (what the runner did while ``self.log`` was a graph break) drops this one."""
+    with pytest.raises(Exception, match=r"(?s)attention runs over 8 positions.*graph breaks:\n  - .*builtin operator `print`"):
+        run_fit(tmp_path, BreakInTheStep(), TokenData(8, 16), devices=2, sp_size=2, steps=1)
+
+
 class FixedLengthModule(LMModule):
     """Attention over the first 8 tokens (a fixed length), and a graph break after the loss."""
 
