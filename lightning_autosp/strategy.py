@@ -380,6 +380,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
             for name in _COMPILED_STEPS:
                 module.__dict__.pop(name, None)
         module_hooks.restore(self._eager_calls)
+        module_hooks.drop_deferred()
         self._eager_calls = []
         for prepared in self._prepared:
             prepared.undo()
@@ -390,7 +391,13 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     def _run_step(self, step: str, parent: Callable, *args: Any, **kwargs: Any) -> Any:
         assert self._runner is not None
         where = f"{type(self.lightning_module).__name__}.{step}"
-        return self._runner.run(step, where, parent, args[0] if args else None, *args, **kwargs)
+        try:
+            out = self._runner.run(step, where, parent, args[0] if args else None, *args, **kwargs)
+        except BaseException:
+            module_hooks.drop_deferred()
+            raise
+        module_hooks.replay_deferred()  # the step's self.log calls (module_hooks)
+        return out
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

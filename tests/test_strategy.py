@@ -167,3 +167,62 @@ def test_sp_ranks_that_compile_different_graphs(caplog):
     limit = torch._dynamo.config.recompile_limit
     with pytest.raises(AutoSPError, match=rf"recompile limit \({limit}\)"):
         strategy._check_same_graphs("training_step", [limit - 2, limit - 1])
+
+
+def test_self_log_in_a_compiled_step_is_made_when_the_step_returns():
+    """``self.log``/``self.log_dict`` of tensors and numbers in a compiled step are recorded in
+    the graph and made when the step returns (module_hooks): no graph break, so Dynamo traces the
+    step once, not twice up to the call. The values are those at the call (a later in-place change
+    does not reach them), in the order of the calls, with their keyword arguments. A call that
+    cannot be recorded (an object logged) is a graph break (the negative control of the count) and
+    runs after the calls recorded before it."""
+    import torch
+    from lightning import LightningModule
+
+    from autosp._compat import graph_break_counter
+    from lightning_autosp import module_hooks
+
+    class Logged(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.seen = []
+
+        def log(self, name, value, **kwargs):  # what Lightning's would receive
+            self.seen.append((name, float(value) if isinstance(value, torch.Tensor) else value, kwargs))
+
+        def log_dict(self, dictionary, **kwargs):
+            self.seen.append(({k: float(v) if isinstance(v, torch.Tensor) else v for k, v in dictionary.items()}, kwargs))
+
+    def step(m, x, obj):
+        loss = m.lin(x).pow(2).mean()
+        m.log("loss", loss, prog_bar=True, sync_dist=True)
+        scaled = loss * 2
+        if obj is not None:
+            m.log("object", obj)
+        m.log_dict({"scaled": scaled, "tokens": x.shape[0]})
+        scaled.mul_(10)  # after the call: not what was logged
+        return scaled
+
+    module = Logged()
+    replaced = module_hooks.keep_out_of_graphs(module)
+    try:
+        compiled = torch.compile(step, backend="aot_eager")
+        x = torch.randn(3, 4)
+        want = float(module.lin(x).pow(2).mean().detach())
+        for obj in (None, object()):
+            module.seen.clear()
+            before = sum(graph_break_counter().values())
+            out = compiled(module, x, obj)
+            module_hooks.replay_deferred()
+            breaks = sum(graph_break_counter().values()) - before
+            assert float(out.detach()) == pytest.approx(20 * want)
+            expected = [("loss", pytest.approx(want), {"prog_bar": True, "sync_dist": True})]
+            if obj is not None:
+                assert module.seen.pop(1) == ("object", obj, {})
+            expected.append(({"scaled": pytest.approx(2 * want), "tokens": 3}, {}))
+            assert module.seen == expected
+            assert (breaks > 0) == (obj is not None), breaks  # (Dynamo counts a break once per trace of the frame)
+    finally:
+        module_hooks.restore(replaced)
+        module_hooks.drop_deferred()
