@@ -31,28 +31,22 @@ _EAGER_METRIC_CALLS = ("forward", "update", "compute", "reset")
 _EAGER_MODULE_CALLS = ("log", "log_dict")
 
 
-class _Deferred:
-    """``self.log`` calls recorded inside compiled steps: ``(call, args, kwargs)``, made by
-    :func:`replay_deferred` (the step's caller runs it when the step returns)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Callable, tuple, dict]] = []
-
-
-_DEFERRED = _Deferred()
+#: ``self.log`` calls recorded inside compiled steps, ``(call, args, kwargs)``: made by
+#: :func:`replay_deferred` (the step's caller runs it when the step returns)
+_DEFERRED: list[tuple[Callable, tuple, dict]] = []
 
 
 def replay_deferred() -> None:
     """Make the ``self.log`` calls a compiled step recorded, in order."""
-    while _DEFERRED.calls:
-        call, args, kwargs = _DEFERRED.calls.pop(0)
+    while _DEFERRED:
+        call, args, kwargs = _DEFERRED.pop(0)
         call(*args, **kwargs)
 
 
 def drop_deferred() -> None:
     """Forget the recorded calls of a step that raised (as eager logging before the error would
     not be reported either: the fit stops)."""
-    _DEFERRED.calls.clear()
+    _DEFERRED.clear()
 
 
 def _replayable(value: Any) -> bool:
@@ -92,7 +86,7 @@ def _deferring(call: Callable) -> Callable:
     @functools.wraps(call)
     def log_or_defer(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() and _replayable(args) and _replayable(kwargs):
-            _DEFERRED.calls.append((call, _snapshot(args), _snapshot(kwargs)))
+            _DEFERRED.append((call, _snapshot(args), _snapshot(kwargs)))
             return None
         return eager(*args, **kwargs)
 
