@@ -171,6 +171,31 @@ def test_tiled_masks_with_inductor(tmp_path):
     assert graph.tiled_attention == 1 and not graph.dense_masks
 
 
+class PlainRows(PackedData):
+    """Rows as most users feed a Hugging Face model: one document, no padding (its mask builder
+    still builds a mask under ``use_cache=False``, exactly causal for these rows)."""
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.y[i]}
+
+
+@pytest.mark.slow
+def test_exactly_causal_with_inductor(tmp_path):
+    """The default configuration (inductor, SAC) on an unpadded Hugging Face Llama: its mask is
+    exactly causal for these rows, so every attention runs as one fused ``is_causal`` call, no
+    tile - the path whose outputs once came back in the fused kernel's layout, not the fake
+    kernel's, and stopped Inductor's stride check on the first step."""
+    factory = hf_factory("llama", layers=2)
+    run = run_fit(tmp_path, FnModule(factory, plain_call, log_loss=False), PlainRows(4, 64), devices=2, sp_size=2,
+                  backend="inductor", tiled_attention=16, steps=2)
+    loss_err, grad_err, naive = check_against_references(run, 2, factory, plain_call)
+    print(f"exactly causal, inductor sp2: loss {loss_err:.2e} grad {grad_err:.2e} (naive: grad {naive:.2e})")
+    (graph,) = run.ranks[0]["graphs"]["training_step"]
+    assert graph.tiled_attention == 2 and not graph.dense_masks
+    for rec in run.ranks:  # two layers, two steps: each attention one fused call, no tile
+        assert rec["tile_counts"]["causal"] == 4 and rec["tile_counts"]["computed"] == 0, rec["tile_counts"]
+
+
 def test_packed_documents_no_mask_reads_are_warned_once(caplog):
     """Position ids that restart within a row (packed documents) while no attention mask of the step
     reads them - a Hugging Face model called with its cache - get one warning naming the fix;

@@ -286,7 +286,7 @@ def all_reduce(x: torch.Tensor, group_name: str, group_size: int) -> torch.Tenso
 
 @all_reduce.register_fake
 def _(x, group_name, group_size):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, whatever x's layout (as the kernel returns it)
 
 
 def _all_reduce_backward(ctx, grad):

@@ -78,12 +78,14 @@ def workspace_bytes(q_shape: tuple, kv_shape: tuple, dtype: torch.dtype, tile: i
     return tiles_ + block + acc
 
 
-def in_layout(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``x`` with ``like``'s dtype and strides (what the fake kernel promised): itself when it has
-    them (the fused kernel writes its output and gradients in its inputs' layouts), else a copy."""
-    if x.dtype == like.dtype and x.stride() == like.stride():
+def in_layout(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype and strides of ``buf``, a fresh tensor laid out as the fake kernel
+    declares: ``x`` itself when it has them, else ``x`` copied into ``buf``. Every path of an op
+    returns what its fake kernel declares (Inductor checks the strides of a custom op's outputs);
+    the fused kernel writes its output in its inputs' layout but its log-sum-exp as ``[B, S, H]``."""
+    if x.dtype == buf.dtype and x.stride() == buf.stride():
         return x
-    return torch.empty_like(like).copy_(x)
+    return buf.copy_(x)
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -112,7 +114,7 @@ def tiled_attention(
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
         if is_causal_map(rows) and fused(prog, q, v):  # exactly causal: the fused kernel, no tiles
             m, l, res = causal_forward(prog, q, k, v)
-            return in_layout(res.to(prog.out_dtype), out), m, l
+            return in_layout(res.to(prog.out_dtype), out), in_layout(m, m_all), in_layout(l, l_all)
         for i, (q0, q1) in enumerate(tiles(Sq, tile)):
             res, m, l = finish_rows(forward_rows(prog, q, k, v, leaves, q0, q1, tile, rows[i]))
             out[:, :, q0:q1] = res.to(out.dtype)
@@ -143,13 +145,14 @@ def tiled_attention_backward(
     Sq = q.shape[2]
     dtype = acc_dtype(q)
     dq = heads_inside(q, tuple(q.shape))
-    dk = heads_inside(k, tuple(k.shape), dtype, zero=True)
-    dv = heads_inside(v, tuple(v.shape), dtype, zero=True)
     rows = live.tolist()
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
         if is_causal_map(rows) and fused(prog, q, v):
             grads = causal_backward(prog, grad_out, q, k, v, out, m, l)
-            return tuple(in_layout(g, x) for x, g in zip((q, k, v), grads))  # the inputs' layouts, as the fake says
+            bufs = (dq, heads_inside(k, tuple(k.shape)), heads_inside(v, tuple(v.shape)))
+            return tuple(in_layout(g, buf) for g, buf in zip(grads, bufs))  # the layouts the fake declares
+        dk = heads_inside(k, tuple(k.shape), dtype, zero=True)
+        dv = heads_inside(v, tuple(v.shape), dtype, zero=True)
         delta = (grad_out.to(dtype) * out.to(dtype)).sum(-1)  # [B, Hq, Sq]
         for i, (q0, q1) in enumerate(tiles(Sq, tile)):
             dq_blk = backward_rows(prog, grad_out, q, out, m, l, delta, k, v, leaves, q0, q1, tile, rows[i], dk, dv)

@@ -218,8 +218,8 @@ def tiled_rows_backward(grad: torch.Tensor, x: torch.Tensor, weights: list[torch
 
 
 @tiled_rows_backward.register_fake
-def _(grad, x, weights, key, tile):
-    return [torch.empty_like(x), *(torch.empty_like(w) for w in weights)]
+def _(grad, x, weights, key, tile):  # the rows' gradient contiguous whatever x's layout (as the kernel writes it)
+    return [x.new_empty(x.shape), *(torch.empty_like(w) for w in weights)]
 
 
 def _setup_context(ctx, inputs, output) -> None:
