@@ -19,8 +19,17 @@ group: collectives return at once without moving data, so the memory and the com
 rank are real and the numbers it computes are not (nothing here checks numerics; the test
 suite does that on CPU). ``no_sp`` trains the whole sequence on the device.
 
+First (``--kernels``, on by default) it checks the attention kernel table
+(``benchmarks/kernel_table.py``): each case against dense attention in fp32 math, in bf16 and
+fp32, the kernels each ran, and its step time through the table against the interpreted tiles;
+and a Hugging Face Llama step with its mask against ``is_causal`` (with transformers installed).
+``--kernels-only`` stops there.
+
 Without CUDA it prints one line and exits 0. ``--device cpu --tiny`` runs the same code on a
-small model (resident-memory peaks instead of allocator peaks), to check the script itself.
+small model (resident-memory peaks instead of allocator peaks), to check the script itself;
+``--device cpu --rows cuda`` runs the kernel table's CUDA rows on CPU tensors, where CPU
+implementations of the CUDA ops are registered (the test suite's dry run, with its emulations).
+It has not run on a GPU yet (``docs/gpu.md``).
 
 Example (well under 10 minutes on one H100/H200)::
 
@@ -73,6 +82,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--budget-gib", type=float, default=32.0, help="activation memory budget for the length search")
     p.add_argument("--search-max", type=int, default=1 << 20)
     p.add_argument("--max-minutes", type=float, default=9.0, help="stop searching once this much time has passed")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True, help="check the attention kernel table first")
+    p.add_argument("--kernels-only", action="store_true", help="the kernel table's checks alone")
+    p.add_argument("--kernel-seq", type=int, default=8192, help="tokens of the kernel table's checks")
+    p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="time a Hugging Face step with its mask")
+    p.add_argument("--rows", choices=["cuda"], default=None, help="on CPU: the kernel table's CUDA rows (emulated CUDA ops)")
     args = p.parse_args(argv)
     check_steps_and_seq_lens(p, args, "reps")
     return args
@@ -176,7 +190,8 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda res: Non
     cfg = replace(cfg, n_layers=args.layers)
     if args.tiny:
         cfg = replace(cfg, vocab_size=512, dim=256, n_heads=8, n_kv_heads=8, ffn_hidden=512, n_layers=2)
-    if not dist.is_initialized():
+    own_group = not dist.is_initialized() and not args.kernels_only
+    if own_group:  # the SP variants' collectives: rank 0 alone (the kernel table's step makes its own)
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.sp_size)
     dev = Device(device)
     t0 = time.perf_counter()
@@ -186,7 +201,12 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda res: Non
         "variants": {}, "skipped": [],
     }
     out_of_time = lambda: time.perf_counter() - t0 > 60 * args.max_minutes  # noqa: E731
-    for variant in args.variants:
+    if args.kernels or args.kernels_only:
+        import kernel_table
+
+        res["kernels"] = kernel_table.run(device, args.rows, args.kernel_seq, args.reps, args.hf, args.sp_size, args.backend)
+        save(res)
+    for variant in ([] if args.kernels_only else args.variants):
         if out_of_time():
             res["skipped"].append(variant)
             continue
@@ -228,6 +248,8 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda res: Non
         res["wall_s"] = time.perf_counter() - t0
         save(res)
     res["wall_s"] = time.perf_counter() - t0
+    if own_group:
+        dist.destroy_process_group()
     return res
 
 
@@ -236,6 +258,17 @@ def _device_name(device: torch.device) -> str:
 
 
 def markdown(res: dict) -> str:
+    if "kernels" in res:
+        import kernel_table
+
+        k = res["kernels"]
+        head = f"Attention kernel table on {res['device']}, {res['args']['kernel_seq']} tokens, tiles of {k['tile']}:"
+        table = "\n".join([head, "", kernel_table.markdown(k["rows"], k["hf_step"])])
+        return table if not res["variants"] else table + "\n\n" + _variants_markdown(res)
+    return _variants_markdown(res)
+
+
+def _variants_markdown(res: dict) -> str:
     a, c = res["args"], res["config"]
     lines = [
         f"{res['device']}; Llama dim={c['dim']} layers={c['n_layers']} heads={c['n_heads']} kv_heads={c['n_kv_heads']} "

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_autosp import AutoSPStrategy
 from autosp._compat import FORK_AFTER_COMPILE_BREAKS_AUTOGRAD, graph_break_counter
 from autosp.launch import unshare
+from autosp.ops import kernels
 from autosp.ops.tile_kernels import TILE_COUNTS
 from autosp.modes.sharded.values import full_state_dict, sharded_parameter_bytes
 from autosp.passes import sequence_parallel_pass
@@ -254,6 +255,7 @@ class Recorder(L.Callback):
     def on_train_start(self, trainer, pl_module):
         self.rec["built_on"] = getattr(pl_module, "built_on", None)
         self._tiles_before = dict(TILE_COUNTS)
+        self._kernels_before, self._reads_before = dict(kernels.KERNEL_COUNTS), kernels.HOST_READS["count"]
         self._breaks_before = sum(graph_break_counter().values())
         st = trainer.strategy
         if isinstance(st, AutoSPStrategy) and st.fsdp:  # a collective: every rank
@@ -280,6 +282,9 @@ class Recorder(L.Callback):
         self.rec["graph_breaks"] = sum(graph_break_counter().values()) - self._breaks_before  # Dynamo's, in this rank's fit
         # the tiled attention kernel's paths in this rank's fit: tiles computed and skipped, calls run as is_causal
         self.rec["tile_counts"] = {k: TILE_COUNTS[k] - self._tiles_before[k] for k in TILE_COUNTS}
+        # the kernel table's calls per (case, kernel), and the reads of the device the masks' maps made
+        self.rec["kernel_counts"] = {k: n - self._kernels_before.get(k, 0) for k, n in kernels.KERNEL_COUNTS.items() if n > self._kernels_before.get(k, 0)}
+        self.rec["host_reads"] = kernels.HOST_READS["count"] - self._reads_before
         if isinstance(st, AutoSPStrategy):
             self.rec["sp_group"] = dist.get_process_group_ranks(st.sp_group)
             self.rec["dp_group"] = dist.get_process_group_ranks(st.dp_group)

@@ -18,9 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from sp_harness import spawn
-from test_tiled_attention import D, causal_docs_padding, ins, program
+from test_tiled_attention import D, causal_docs_padding
 
 import autosp.ops.tiled_attention as tiled_attention_module
+from autosp.ops import programs
 from autosp.ops.live_tiles import CAUSAL
 from autosp.passes.offload import offload, reload  # noqa: F401  (registers the ops)
 
@@ -47,38 +48,23 @@ def _qkv(dtype, heads, kv_heads, seq=S, layout="heads_inside", seed=0):
 
 def _causal_program(dtype, seq=S, docs=False, padded=False):
     """Hugging Face's mask as a score program: causal, same document, key not padded."""
-    pos = torch.arange(seq)
-    doc = (pos >= seq // 2).long() if docs else torch.zeros(seq, dtype=torch.long)
     pad = torch.ones(B, seq, dtype=torch.bool)
     if padded:
         pad[1, -3:] = False
-    leaves = [pos[:, None], pos[None, :], doc[:, None], doc[None, :], pad[:, None, None, :]]
-    axes = [[-2, None], [None, -1], [-2, None], [None, -1], [None, -1]]
-    steps = [ins("operator", "le", {"l": 1}, {"l": 0}), ins("operator", "eq", {"l": 2}, {"l": 3}),
-             ins("operator", "and_", {"r": 0}, {"r": 1}), ins("operator", "and_", {"r": 2}, {"l": 4}),
-             ins("operator", "mul", {"s": 0}, 1 / math.sqrt(D), s=True), ins("torch", "where", {"r": 3}, {"r": 4}, -math.inf, s=True)]
-    return program(steps, axes, dtype=str(dtype).removeprefix("torch.")), leaves
+    documents = (torch.arange(seq) >= seq // 2).long() if docs else None
+    return programs.causal(seq, 1 / math.sqrt(D), dtype, documents=documents, keys=pad)
 
 
 def _softcap_program(dtype):
     """Gemma-2's soft-capped causal logits: ``tanh`` makes the program not additive (interpreted tiles)."""
-    pos = torch.arange(S)
-    steps = [ins("operator", "le", {"l": 1}, {"l": 0}), ins("operator", "mul", {"s": 0}, 0.3, s=True),
-             ins("operator", "truediv", {"r": 1}, 5.0, s=True), ins("torch", "tanh", {"r": 2}, s=True),
-             ins("operator", "mul", {"r": 3}, 5.0, s=True), ins("torch", "where", {"r": 0}, {"r": 4}, -math.inf, s=True)]
-    return program(steps, [[-2, None], [None, -1]], dtype=str(dtype).removeprefix("torch.")), [pos[:, None], pos[None, :]]
+    return programs.soft_capped_causal(S, 0.3, 5.0, dtype)
 
 
 def _keyless_program(dtype):
     """Left padding with a finite fill (Hugging Face's eager masks): rows of row 0 with no key."""
-    pos = torch.arange(S)
     pad = torch.ones(B, S, dtype=torch.bool)
     pad[0, :5] = False
-    fmin = torch.finfo(torch.float32).min
-    steps = [ins("operator", "le", {"l": 1}, {"l": 0}), ins("operator", "and_", {"r": 0}, {"l": 2}),
-             ins("torch", "where", {"r": 1}, 0.0, fmin), ins("operator", "mul", {"s": 0}, 0.25, s=True),
-             ins("operator", "add", {"r": 3}, {"r": 2}, s=True)]
-    return program(steps, [[-2, None], [None, -1], [None, -1]], dtype=str(dtype).removeprefix("torch.")), [pos[:, None], pos[None, :], pad[:, None, None, :]]
+    return programs.padded_with_finite_fill(S, pad, 0.25, dtype)
 
 
 #: path -> (dtype, query heads, KV heads, layout, program builder, what the live-tile map must say)
@@ -99,7 +85,7 @@ def _attention_case(path):
     built = build(dtype)
     text, leaves = built[0], built[1]
     q, k, v = _qkv(dtype, heads, kv_heads, layout=layout)
-    live = torch.ops.autosp_attn.live_tiles.default(leaves, text, 8, S, S, q.device)
+    live = torch.ops.autosp_attn.live_tiles.default(leaves, text, 8, S, S)
     assert bool((live.diagonal() == CAUSAL).all()) == (expect == "causal"), f"{path}: the map does not drive the path under test"
     return q, k, v, leaves, live, text
 
@@ -122,7 +108,7 @@ def test_live_tiles_agrees_with_its_fake_kernel():
     for path in ("exactly-causal-fp32", "tiles-masked-fp32", "tiles-interpreted-softcap"):
         dtype, *_, build, _ = ATTENTION_PATHS[path]
         text, leaves = build(dtype)[:2]
-        args = (leaves, text, 8, S, S, torch.device("cpu"))
+        args = (leaves, text, 8, S, S)
         assert failures(torch.library.opcheck(torch.ops.autosp_attn.live_tiles.default, args, **OPCHECK)) == {}, path
 
 
@@ -209,16 +195,19 @@ def _collective_ops_rank(rank: int, world: int) -> dict:
         text, leaves = _causal_program(dtype, seq=seq, docs=True, padded=True)
         L = ring_segment_length(seq, 2, rank, True)
         q, k, v = _qkv(dtype, 4, 2, seq=L, seed=10 + rank)
-        args = (q, k, v, leaves, text, 8, seq, group, rank, 2, True)
+        maps_args = (leaves, text, 8, seq, 2, rank, True)
+        check(f"ring_live_tiles-{dtype}", torch.ops.autosp_attn.ring_live_tiles.default, maps_args)
+        maps = torch.ops.autosp_attn.ring_live_tiles.default(*maps_args)
+        args = (q, k, v, leaves, maps, text, 8, seq, group, rank, 2, True)
         check(f"ring_attention-{dtype}", torch.ops.autosp_attn.ring_attention.default, args)
         with torch.no_grad():
             out, m, l = torch.ops.autosp_attn.ring_attention.default(*args)
         grad = torch.randn(out.shape, generator=g).to(dtype)
-        back = (grad, q.detach(), k.detach(), v.detach(), out, m, l, leaves, text, 8, seq, group, rank, 2, True)
+        back = (grad, q.detach(), k.detach(), v.detach(), out, m, l, leaves, maps, text, 8, seq, group, rank, 2, True)
         check(f"ring_attention_backward-{dtype}", torch.ops.autosp_attn.ring_attention_backward.default, back)
     return results
 
 
 def test_collectives_and_ring_ops_agree_with_their_fake_kernels(tmp_path):
     for rank, results in enumerate(spawn(tmp_path, _collective_ops_rank, 2)):
-        assert len(results) == 13 and {k: v for k, v in results.items() if v} == {}, rank
+        assert len(results) == 15 and {k: v for k, v in results.items() if v} == {}, rank

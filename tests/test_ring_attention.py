@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from test_tiled_attention import B, causal_docs_padding, dense, grads, ins, positions, program, qkv
 
 from autosp.layout import ring_segment
-from autosp.ops.ring_attention import ring_backward, ring_forward, ring_steps
+from autosp.ops.ring_attention import ring_backward, ring_forward, ring_maps, ring_steps
 from autosp.ops.score_program import ScoreProgram
 from autosp.ops.tile_kernels import TILE_COUNTS
 
@@ -50,7 +50,8 @@ class EmulatedRing(torch.autograd.Function):
                 src = steps[t + 1][0]
                 return lambda: (_take(k, segments[src]), _take(v, segments[src]))
 
-            res, m, l = ring_forward(prog, _take(q, segments[r]), _take(k, segments[r]), _take(v, segments[r]), leaves, tile, steps, next_block)
+            maps = [x.tolist() for x in ring_maps(prog, leaves, tile, seq, steps)]
+            res, m, l = ring_forward(prog, _take(q, segments[r]), _take(k, segments[r]), _take(v, segments[r]), leaves, tile, steps, next_block, maps)
             _put(out, res, segments[r])
             ms.append(m)
             ls.append(l)
@@ -80,7 +81,8 @@ class EmulatedRing(torch.autograd.Function):
 
             g, qs = _take(grad_out, segments[r]), _take(q, segments[r])
             o = _take(out, segments[r])
-            gq, _, _ = ring_backward(prog, g, qs, o, ms[r], ls[r], _take(k, segments[r]), _take(v, segments[r]), leaves, tile, steps, pass_on)
+            maps = [x.tolist() for x in ring_maps(prog, leaves, tile, seq, steps)]
+            gq, _, _ = ring_backward(prog, g, qs, o, ms[r], ls[r], _take(k, segments[r]), _take(v, segments[r]), leaves, tile, steps, pass_on, maps)
             _put(dq, gq, segments[r])
         return dq, dk, dv, None, None, None, None, None, None
 
@@ -175,7 +177,9 @@ def test_head_tail_split_balances_causal_work():
 
             before = TILE_COUNTS["computed"]
             with torch.no_grad():
-                ring_forward(prog, _take(q, segments[r]), _take(k, segments[r]), _take(v, segments[r]), [pos[:, None], pos[None, :]], tile, steps, next_block)
+                leaves = [pos[:, None], pos[None, :]]
+                maps = [x.tolist() for x in ring_maps(prog, leaves, tile, seq, steps)]
+                ring_forward(prog, _take(q, segments[r]), _take(k, segments[r]), _take(v, segments[r]), leaves, tile, steps, next_block, maps)
             counts.append(TILE_COUNTS["computed"] - before)
         row = seq // (2 * ring_size) // tile  # tiles in one row of a chunk
         if zigzag:

@@ -354,13 +354,12 @@ def test_live_tiles_from_bounds_cover_every_unmasked_tile():
     steps = [ins("operator", "le", {"l": 1}, {"l": 0}), ins("operator", "eq", {"l": 2}, {"l": 3}), ins("operator", "and_", {"r": 0}, {"r": 1}),
              ins("operator", "and_", {"r": 2}, {"l": 4}), ins("operator", "mul", {"s": 0}, 0.3, s=True),
              ins("torch", "where", {"r": 3}, {"r": 4}, -math.inf, s=True)]
-    cpu = torch.device("cpu")
 
     def maps(pos, text):
         leaves = [pos[None, None, :, None], pos[None, None, None, :], doc[None, None, :, None], doc[None, None, None, :], pad[:, None, None, :]]
         prog = ScoreProgram.parse(text)
-        exact = torch.tensor([_probe_block(prog, leaves, q0, min(q0 + tile, seq), seq, tile, cpu) for q0 in range(0, seq, tile)])
-        return exact, live_tiles(leaves, text, tile, seq, seq, cpu), prog, leaves
+        exact = torch.stack([_probe_block(prog, leaves, q0, min(q0 + tile, seq), seq, tile)[0] for q0 in range(0, seq, tile)])
+        return exact, live_tiles(leaves, text, tile, seq, seq), prog, leaves
 
     exact, bounds, _, _ = maps(torch.arange(seq), program(steps, axes))
     assert torch.equal(bounds > 0, exact) and 0 < int(exact.sum()) < exact.numel() // 2  # the mask covers most tiles
@@ -374,7 +373,7 @@ def test_live_tiles_from_bounds_cover_every_unmasked_tile():
     assert bool((bounds >= exact).all()) and int(bounds.sum()) - int(exact.sum()) <= 2 * len(cuts) * bounds.shape[0]
     # negative control: bounds that ignore the documents keep many more tiles
     nodocs = ScoreProgram.parse(program([steps[0], steps[0], *steps[2:]], axes))
-    assert int((_interval_live(nodocs, leaves, tile, seq, seq, cpu) > 0).sum()) > int(bounds.sum()) + 10
+    assert int((_interval_live(nodocs, leaves, tile, seq, seq)[0] > 0).sum()) > int(bounds.sum()) + 10
     chunked = steps[:2] + [ins("operator", "mod", {"l": 0}, 7), ins("operator", "ne", {"r": 2}, 3), ins("operator", "and_", {"r": 0}, {"r": 3}),
                            ins("operator", "mul", {"s": 0}, 0.3, s=True), ins("torch", "where", {"r": 4}, {"r": 5}, -math.inf, s=True)]
     exact, probed, _, _ = maps(torch.arange(seq), program(chunked, axes))
@@ -402,7 +401,7 @@ def test_a_mask_that_is_exactly_causal_runs_as_causal_attention():
         leaves = [pos[:, None], pos[None, :], doc[:, None], doc[None, :], pad[:, None, None, :]]
         before = dict(TILE_COUNTS)
         out = attend(q, k, v, leaves, text, 16)
-        live = torch.ops.autosp_attn.live_tiles.default(leaves, text, 16, 70, 70, q.device)
+        live = torch.ops.autosp_attn.live_tiles.default(leaves, text, 16, 70, 70)
         return out, live, {key: TILE_COUNTS[key] - before[key] for key in before}
 
     out, live, counts = run(one_doc, pad)

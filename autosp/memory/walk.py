@@ -92,7 +92,7 @@ _RELOAD = torch.ops.autosp_offload.reload.default
 _TILED_ROWS = {torch.ops.autosp_tile.rows.default: (2, 3, False), torch.ops.autosp_tile.rows_backward.default: (3, 4, True)}
 _TILED = {
     torch.ops.autosp_attn.tiled_attention.default: False, torch.ops.autosp_attn.tiled_attention_backward.default: True,
-    torch.ops.autosp_attn.live_tiles.default: None,
+    torch.ops.autosp_attn.live_tiles.default: None, torch.ops.autosp_attn.ring_live_tiles.default: None,
     torch.ops.autosp_attn.ring_attention.default: False, torch.ops.autosp_attn.ring_attention_backward.default: True,
 }
 _RING = (torch.ops.autosp_attn.ring_attention.default, torch.ops.autosp_attn.ring_attention_backward.default)
@@ -108,7 +108,7 @@ def _tiled_workspace(n: fx.Node, S: int, tr: "Trace") -> int:
     qv, kv = q.meta["val"], k.meta["val"]
     q_shape, kv_shape = tuple(size(d) for d in qv.shape), tuple(size(d) for d in kv.shape)
     if n.target in _RING:  # the tiles of one step, and the blocks in flight (with their gradients in backward)
-        tile = n.args[9] if backward else n.args[5]
+        tile = n.args[10] if backward else n.args[6]
         return tiled_attention.workspace_bytes(q_shape, kv_shape, qv.dtype, tile, backward) + ring_attention.ring_workspace_bytes(kv_shape, kv.dtype, backward)
     return tiled_attention.workspace_bytes(q_shape, kv_shape, qv.dtype, n.args[-1], backward)
 

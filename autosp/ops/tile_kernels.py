@@ -1,23 +1,23 @@
 """The tile kernels: attention of a block of query rows over a block of keys, one tile at a time.
 
 Every function here works on one block of query rows ``[q0, q1)`` of ``q`` against the keys and
-values ``k``, ``v`` it is given, over the key tiles a live-tile row (:mod:`.live_tiles`) marks.
-The rows and columns are spans of the sequence: ``q_off`` and ``k_off`` are the positions of
-``q``'s row 0 and ``k``'s column 0, so the same kernels serve the whole sequence
-(:mod:`.tiled_attention`) and one part of it against another (a ring step,
-:mod:`.ring_attention`). A block's result is an online-softmax *state* ``(m, l, acc)``: per query
-row the running max logit and softmax denominator (fp32) and the unnormalised output. States of
-the same rows over different keys :func:`merge` exactly (log-sum-exp rescaling), which is how a
-block of rows accumulates its key tiles and a ring rank its steps.
+values ``k``, ``v`` it is given, over the key tiles a row of a live-tile map (:mod:`.live_tiles`,
+a host tensor: no decision here reads the device) marks. The rows and columns are spans of the
+sequence: ``q_off`` and ``k_off`` are the positions of ``q``'s row 0 and ``k``'s column 0, so the
+same kernels serve the whole sequence (:mod:`.tiled_attention`) and one part of it against another
+(a ring step, :mod:`.ring_attention`). A block's result is an online-softmax *state* ``(m, l, acc)``:
+per query row the running max logit (or log-sum-exp) and softmax denominator (fp32) and the
+unnormalised output. States of the same rows over different keys :func:`merge` exactly.
 
-Two ways to compute a tile: *interpreted* (the score program evaluated in PyTorch, any program,
-with its derivative ``dz/ds`` in backward) and *fused* (an additive program, ``s * scale + bias``,
-on CPU: each tile in PyTorch's fused flash kernel with the bias as its mask).
+Two ways to compute: *fused* (an additive program, ``s * scale + bias``: the kernel table's
+kernel for the device, :mod:`.kernels` - consecutive tiles with no bias in one call, each tile with
+a bias in one call with the tile's bias) and *interpreted* (the score program evaluated in PyTorch,
+any program, with its derivative ``dz/ds`` in backward: the table's listed fallback).
 
 Rows with no unmasked key follow dense attention: with ``-inf`` (or a bool mask) output 0 and no
 gradient; with a finite fill such as ``finfo.min`` a softmax over the fill values, which reads
-every key - so a block of rows where one such row has no key yet (``alive``: rows that found one
-over earlier keys) is computed over every tile of the keys in hand, forward and backward.
+every key - the map marks every tile of a block holding such a row :data:`~.live_tiles.FILL`
+(computed, its fill values counted), so the tiles it skips never matter.
 """
 
 from __future__ import annotations
@@ -27,20 +27,18 @@ from typing import Optional
 
 import torch
 
-from autosp.ops.live_tiles import LIVE_NO_BIAS
-from autosp.ops.score_program import MASKED, ScoreProgram, tile_positions
+from autosp.ops import kernels
+from autosp.ops.live_tiles import FILL, LIVE_NO_BIAS
+from autosp.ops.score_program import ScoreProgram, tile_positions
 
 __all__ = [
-    "forward_rows", "backward_rows", "finish_rows", "merge", "fused", "tiles", "heads_inside", "acc_dtype", "causal_forward",
+    "forward_rows", "backward_rows", "finish_rows", "merge", "fused_kernels", "tiles", "heads_inside", "acc_dtype", "causal_forward",
     "causal_backward", "TILE_COUNTS",
 ]
 
 #: tiles the forward computed and skipped in this process so far, and the attention calls it ran as
 #: plain causal attention instead (no tiles; read by the tests and benchmarks)
 TILE_COUNTS = {"computed": 0, "skipped": 0, "causal": 0}
-
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 #: ``(m, l, acc)``: per query row the max logit, the softmax denominator and the unnormalised output
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -69,20 +67,46 @@ def heads_inside(like: torch.Tensor, shape: tuple, dtype: Optional[torch.dtype] 
     return make((B, S, H, D), dtype=dtype or like.dtype).transpose(1, 2)
 
 
-def fused(prog: ScoreProgram, q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the tiles run in PyTorch's fused CPU attention kernel: an additive program on CPU
-    tensors (the kernel takes the bias as its mask and returns the log-sum-exp) whose values have
-    the queries' head size (not DeepSeek's MLA, say)."""
-    return prog.additive is not None and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+def fused_kernels(prog: ScoreProgram, q: torch.Tensor, v: torch.Tensor) -> Optional[tuple[str, str]]:
+    """``(kernel for tiles without a bias, kernel for tiles with one)`` from the kernel table when the
+    program's tiles run fused (an additive program whose inputs both kernels take), else ``None``:
+    the interpreted tiles (the table's fallback; on CUDA a warning names the case once)."""
+    if prog.additive is None:
+        kernels.choose("score", q, v)
+        return None
+    block, bias = kernels.choose("block", q, v), kernels.choose("bias", q, v)
+    return None if "tiles" in (block, bias) else (block, bias)
 
 
-def _key_tiles(prog, leaves, q0, q1, kv_len, tile, cols, device, q_off, k_off):
-    """Key tiles ``cols`` of query rows ``[q0, q1)``: ``j``, ``[k0, k1)`` (columns of ``k``), the
-    leaves cut to the tile and its positions (absolute: ``q_off``/``k_off`` added)."""
-    for j in cols:
+def _fused_for_row(prog: ScoreProgram, q: torch.Tensor, v: torch.Tensor, row: list[int]) -> Optional[tuple[str, str]]:
+    """:func:`fused_kernels` for a block of rows, but ``None`` (interpreted) where the map marks
+    tiles :data:`~.live_tiles.FILL`: a row with no key under a finite fill reads the fill values of
+    every key, and a log-sum-exp near ``-3.4e38`` cannot carry the ``log(n)`` of their count (below
+    its precision): the interpreted tiles keep the max and the sum apart."""
+    if FILL in row:
+        kernels.choose("keyless", q, v)
+        return None
+    return fused_kernels(prog, q, v)
+
+
+def _runs(row: list[int], tile: int, kv_len: int) -> list[tuple[bool, int, int, int]]:
+    """The computed columns of a map row as calls: ``(with_bias, j, k0, k1)`` - consecutive tiles
+    with no bias merged into one call, every other computed tile a call of its own."""
+    out: list[tuple[bool, int, int, int]] = []
+    for j, x in enumerate(row):
+        if not x:
+            continue
         k0, k1 = j * tile, min((j + 1) * tile, kv_len)
-        a0, a1, b0, b1 = q_off + q0, q_off + q1, k_off + k0, k_off + k1
-        yield j, k0, k1, prog.leaf_tiles(leaves, a0, a1, b0, b1), tile_positions(prog, a0, a1, b0, b1, device)
+        if x == LIVE_NO_BIAS and out and not out[-1][0] and out[-1][3] == k0:
+            out[-1] = (False, out[-1][1], out[-1][2], k1)
+        else:
+            out.append((x != LIVE_NO_BIAS, j, k0, k1))
+    return out
+
+
+def _bias(prog: ScoreProgram, leaves: list, a0: int, a1: int, b0: int, b1: int, dtype: torch.dtype, device) -> Optional[torch.Tensor]:
+    """The additive bias of query rows ``[a0, a1)`` over keys ``[b0, b1)`` (absolute positions)."""
+    return prog.bias(prog.leaf_tiles(leaves, a0, a1, b0, b1), tile_positions(prog, a0, a1, b0, b1, device), dtype)
 
 
 def _interpreted_forward(prog, qg, k, v, leaves, q0, q1, tile, cols, shape, q_off, k_off) -> State:
@@ -94,10 +118,13 @@ def _interpreted_forward(prog, qg, k, v, leaves, q0, q1, tile, cols, shape, q_of
     m = torch.full((B, Hq, tq), -math.inf, dtype=dtype, device=qg.device)
     l = torch.zeros((B, Hq, tq), dtype=dtype, device=qg.device)
     acc = torch.zeros((B, Hq, tq, Dv), dtype=dtype, device=qg.device)
-    for _, k0, k1, leaves_t, positions in _key_tiles(prog, leaves, q0, q1, S, tile, cols, qg.device, q_off, k_off):
+    for j in cols:
+        k0, k1 = j * tile, min((j + 1) * tile, S)
+        a0, a1, b0, b1 = q_off + q0, q_off + q1, k_off + k0, k_off + k1
         tk = k1 - k0
         kb = k[:, :, k0:k1].to(dtype)
         s = (qg @ kb.transpose(-1, -2)).view(B, Hq, tq, tk)  # [B, Hq, tq, tk]
+        leaves_t, positions = prog.leaf_tiles(leaves, a0, a1, b0, b1), tile_positions(prog, a0, a1, b0, b1, qg.device)
         z = prog.evaluate(s, leaves_t, positions).to(dtype).expand(B, Hq, tq, tk)
         m_new = torch.maximum(m, z.amax(-1))
         m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
@@ -110,63 +137,47 @@ def _interpreted_forward(prog, qg, k, v, leaves, q0, q1, tile, cols, shape, q_of
     return m, l, acc
 
 
-def _fused_forward(prog, q_blk, k, v, leaves, q0, q1, tile, cols, no_bias, dtype, q_off, k_off) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query rows ``[q0, q1)`` over the key tiles ``cols``, each tile in the fused kernel with its
-    bias as the mask (none for the tiles in ``no_bias``), merged by their log-sum-exps:
-    ``(lse, out)``. A row with no unmasked key in a tile gets ``-inf`` there (the kernel reports 0)."""
+def _fused_forward(prog, pair, q_blk, k, v, leaves, q0, q1, tile, row, dtype, q_off, k_off) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows ``[q0, q1)`` over the computed tiles of ``row`` in the table's kernels (``pair``:
+    for tiles without and with a bias), merged by their log-sum-exps: ``(lse, out)``."""
     B, Hq, tq, _ = q_blk.shape
     out = torch.zeros((B, Hq, tq, v.shape[-1]), dtype=dtype, device=q_blk.device)
     lse = torch.full((B, Hq, tq), -math.inf, dtype=dtype, device=q_blk.device)
     scale = prog.additive[0]
-    for j, k0, k1, leaves_t, positions in _key_tiles(prog, leaves, q0, q1, k.shape[2], tile, cols, q_blk.device, q_off, k_off):
-        bias = None if j in no_bias else prog.bias(leaves_t, positions, q_blk.dtype)
-        o, l = _FLASH(q_blk, k[:, :, k0:k1], v[:, :, k0:k1], attn_mask=bias, scale=scale)
-        l = l.to(dtype)
-        if bias is not None:
-            l = torch.where((bias > MASKED).any(-1), l, -math.inf)
-        new = torch.logaddexp(lse, l)
+    for with_bias, _, k0, k1 in _runs(row, tile, k.shape[2]):
+        a0, b0 = q_off + q0, k_off + k0
+        bias = _bias(prog, leaves, a0, q_off + q1, b0, k_off + k1, q_blk.dtype, q_blk.device) if with_bias else None
+        case = "bias" if bias is not None else "block"
+        o, l = kernels.forward(case, pair[case == "bias"], q_blk, k[:, :, k0:k1], v[:, :, k0:k1], bias, scale)
+        new = torch.logaddexp(lse, l.to(dtype))
         safe = new.masked_fill(new == -math.inf, 0.0)
-        out = out * torch.exp(lse - safe)[..., None] + o.to(dtype) * torch.exp(l - safe)[..., None]
+        out = out * torch.exp(lse - safe)[..., None] + o.to(dtype) * torch.exp(l.to(dtype) - safe)[..., None]
         lse = new
     return lse, out
 
 
 def forward_rows(
     prog: ScoreProgram, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list, q0: int, q1: int, tile: int,
-    row: list[int], q_off: int = 0, k_off: int = 0, alive: Optional[torch.Tensor] = None,
+    row: list[int], q_off: int = 0, k_off: int = 0,
 ) -> Optional[State]:
     """The state of query rows ``[q0, q1)`` of ``q`` over the keys ``k``, ``v`` (every column of
-    them), computing the tiles ``row`` marks live (fused where the program allows) - or every tile
-    when a row is left with no key (and was not ``alive`` before, ``[B, Hq, q1-q0]`` bool).
-    ``None`` when no tile is live and every row is ``alive``: these keys change nothing."""
+    them), computing the tiles ``row`` marks (a map row, host ints; fused where the table allows).
+    ``None`` when ``row`` marks no tile: these keys change nothing for these rows."""
     B, Hq = q.shape[:2]
     Hk, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    every = list(range(len(row)))
     cols = [j for j, x in enumerate(row) if x]
-    if not cols and alive is not None and bool(alive.all()):
-        TILE_COUNTS["skipped"] += len(row)
-        return None
-
-    def keyless(m: torch.Tensor) -> bool:
-        dead = m <= MASKED
-        return bool((dead if alive is None else dead & ~alive).any())
-
-    dtype = acc_dtype(q)
-    m = None
-    if fused(prog, q, v):
-        no_bias = {j for j, x in enumerate(row) if x == LIVE_NO_BIAS}
-        m, acc = _fused_forward(prog, q[:, :, q0:q1], k, v, leaves, q0, q1, tile, cols, no_bias, dtype, q_off, k_off)
-        l = torch.ones_like(m)
-    if m is None or keyless(m):  # a row with no key left: every tile, as dense attention
-        qg = grouped(q[:, :, q0:q1].to(dtype), Hk)
-        cols = cols if m is None else every
-        m, l, acc = _interpreted_forward(prog, qg, k, v, leaves, q0, q1, tile, cols, (B, Hq, Hk, S, Dv), q_off, k_off)
-        if len(cols) < len(every) and keyless(m):
-            cols = every
-            m, l, acc = _interpreted_forward(prog, qg, k, v, leaves, q0, q1, tile, cols, (B, Hq, Hk, S, Dv), q_off, k_off)
     TILE_COUNTS["computed"] += len(cols)
     TILE_COUNTS["skipped"] += len(row) - len(cols)
-    return m, l, acc
+    if not cols:
+        return None
+    dtype = acc_dtype(q)
+    pair = _fused_for_row(prog, q, v, row)
+    if pair is not None:
+        m, acc = _fused_forward(prog, pair, q[:, :, q0:q1], k, v, leaves, q0, q1, tile, row, dtype, q_off, k_off)
+        return m, torch.ones_like(m), acc
+    kernels.count("score" if prog.additive is None else "keyless" if FILL in row else "bias", "tiles")
+    qg = grouped(q[:, :, q0:q1].to(dtype), Hk)
+    return _interpreted_forward(prog, qg, k, v, leaves, q0, q1, tile, cols, (B, Hq, Hk, S, Dv), q_off, k_off)
 
 
 def merge(a: Optional[State], b: Optional[State]) -> Optional[State]:
@@ -183,26 +194,25 @@ def merge(a: Optional[State], b: Optional[State]) -> Optional[State]:
 
 def finish_rows(state: State) -> State:
     """``(out, m, l)`` of a final state: the output normalised; rows whose every logit is ``-inf``
-    (a bool mask) get output 0 and ``m = inf``, so that backward reads ``p = 0`` (SDPA's rule)."""
+    (a bool mask) get output 0 and ``m = inf``, so that backward reads ``p = 0`` (SDPA's rule).
+    No branch on the data: nothing here reads the device."""
     m, l, acc = state
     dead = m == -math.inf
-    res = acc / l[..., None]
-    if bool(dead.any()):
-        res = res.masked_fill(dead[..., None], 0.0)
-        m = m.masked_fill(dead, math.inf)
-        l = l.masked_fill(dead, 1.0)
-    return res, m, l
+    res = (acc / l.masked_fill(dead, 1.0)[..., None]).masked_fill(dead[..., None], 0.0)
+    return res, m.masked_fill(dead, math.inf), l.masked_fill(dead, 1.0)
 
 
-def _fused_backward(prog, grad_blk, q_blk, out_blk, lse, k, v, leaves, q0, q1, tile, cols, no_bias, dk, dv, q_off, k_off):
-    """The gradients of query rows ``[q0, q1)`` (returned) and their key tiles ``cols`` (added to
-    ``dk``, ``dv``): each tile's backward in the fused kernel, with the rows' global output and
+def _fused_backward(prog, pair, grad_blk, q_blk, out_blk, lse, k, v, leaves, q0, q1, tile, row, dk, dv, q_off, k_off):
+    """The gradients of query rows ``[q0, q1)`` (returned) and their computed key tiles (added to
+    ``dk``, ``dv``): each call's backward in the table's kernel, with the rows' final output and
     log-sum-exp."""
     scale = prog.additive[0]
     dq = torch.zeros(q_blk.shape, dtype=dk.dtype, device=q_blk.device)
-    for j, k0, k1, leaves_t, positions in _key_tiles(prog, leaves, q0, q1, k.shape[2], tile, cols, q_blk.device, q_off, k_off):
-        bias = None if j in no_bias else prog.bias(leaves_t, positions, q_blk.dtype)
-        gq, gk, gv = _FLASH_BACKWARD(grad_blk, q_blk, k[:, :, k0:k1], v[:, :, k0:k1], out_blk, lse, 0.0, False, attn_mask=bias, scale=scale)
+    for with_bias, _, k0, k1 in _runs(row, tile, k.shape[2]):
+        a0, b0 = q_off + q0, k_off + k0
+        bias = _bias(prog, leaves, a0, q_off + q1, b0, k_off + k1, q_blk.dtype, q_blk.device) if with_bias else None
+        case = "bias" if bias is not None else "block"
+        gq, gk, gv = kernels.backward(case, pair[case == "bias"], grad_blk, q_blk, k[:, :, k0:k1], v[:, :, k0:k1], bias, out_blk, lse, scale)
         dq += gq
         dk[:, :, k0:k1] += gk
         dv[:, :, k0:k1] += gv
@@ -217,33 +227,33 @@ def backward_rows(
     """The gradient of query rows ``[q0, q1)`` (returned, ``[B, Hq, q1-q0, D]`` in the compute
     dtype; ``None``: no tile to compute) from the keys ``k``, ``v``, whose gradients are added to
     ``dk``, ``dv`` (compute dtype). ``out``, ``m``, ``l`` (and ``delta = rowsum(grad_out * out)``)
-    are the rows' final values over every key. The tiles the forward computed are recomputed: the
-    live ones, or every tile for a block where a row's softmax ran over fill values."""
+    are the rows' final values over every key. The tiles the forward computed (``row``) are
+    recomputed."""
     B, Hq, _, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
     dtype = dk.dtype
     tq = q1 - q0
+    cols = [j for j, x in enumerate(row) if x]
+    if not cols:
+        return None
+    pair = _fused_for_row(prog, q, v, row)
+    if pair is not None:
+        lse = (m[:, :, q0:q1] + torch.log(l[:, :, q0:q1])).to(torch.float32 if q.dtype != torch.float64 else q.dtype)
+        return _fused_backward(
+            prog, pair, grad_out[:, :, q0:q1].to(q.dtype), q[:, :, q0:q1], out[:, :, q0:q1].to(q.dtype), lse, k, v, leaves,
+            q0, q1, tile, row, dk, dv, q_off, k_off,
+        )
     mb, inv_l, deltab = m[:, :, q0:q1, None], 1.0 / l[:, :, q0:q1, None], delta[:, :, q0:q1, None]
-    if bool(((mb <= MASKED) & (mb > -math.inf)).any()):  # its softmax over the fill values read every tile
-        cols = list(range(len(row)))
-    else:  # (rows whose every logit is -inf have no gradient: p = 0 wherever they are read)
-        cols = [j for j, x in enumerate(row) if x]
-        if not cols:
-            return None
-        if fused(prog, q, v):
-            lse = (m[:, :, q0:q1] + torch.log(l[:, :, q0:q1])).to(m.dtype)
-            no_bias = {j for j, x in enumerate(row) if x == LIVE_NO_BIAS}
-            return _fused_backward(
-                prog, grad_out[:, :, q0:q1].to(q.dtype), q[:, :, q0:q1], out[:, :, q0:q1].to(q.dtype), lse, k, v, leaves,
-                q0, q1, tile, cols, no_bias, dk, dv, q_off, k_off,
-            )
     qg = grouped(q[:, :, q0:q1].to(dtype), Hk)  # [B, Hk, r*tq, D]
     dog = grouped(grad_out[:, :, q0:q1].to(dtype), Hk)  # [B, Hk, r*tq, Dv]
     dqg = torch.zeros_like(qg)
-    for _, k0, k1, leaves_t, positions in _key_tiles(prog, leaves, q0, q1, S, tile, cols, q.device, q_off, k_off):
+    for j in cols:
+        k0, k1 = j * tile, min((j + 1) * tile, S)
+        a0, a1, b0, b1 = q_off + q0, q_off + q1, k_off + k0, k_off + k1
         tk = k1 - k0
         kb, vb = k[:, :, k0:k1].to(dtype), v[:, :, k0:k1].to(dtype)
         s = (qg @ kb.transpose(-1, -2)).view(B, Hq, tq, tk)
+        leaves_t, positions = prog.leaf_tiles(leaves, a0, a1, b0, b1), tile_positions(prog, a0, a1, b0, b1, q.device)
         z, dz_ds = prog.evaluate(s, leaves_t, positions, tangent=True)
         p = torch.exp(z.to(dtype) - mb) * inv_l  # [B, Hq, tq, tk]
         pg = p.reshape(B, Hk, -1, tk)
@@ -255,21 +265,21 @@ def backward_rows(
     return dqg.view(B, Hq, tq, D)
 
 
-def causal_forward(prog: ScoreProgram, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> State:
+def causal_forward(prog: ScoreProgram, kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> State:
     """The final state of every row of a mask that is exactly causal (see
-    :func:`~autosp.ops.live_tiles.exactly_causal`): PyTorch's fused attention kernel over the
-    whole sequence with ``is_causal`` (no tiles, no mask), ``(m, l, acc)`` = ``(lse, 1, out)``
-    (``out`` normalised already, in the inputs' dtype and the kernel's layout)."""
-    out, lse = _FLASH(q, k, v, 0.0, True, scale=prog.additive[0])
+    :func:`~autosp.ops.live_tiles.exactly_causal`): the table's ``causal`` kernel over the whole
+    sequence with ``is_causal`` (no tiles, no mask), ``(m, l, acc)`` = ``(lse, 1, out)`` (``out``
+    normalised already, in the inputs' dtype and the kernel's layout)."""
+    out, lse = kernels.forward("causal", kernel, q, k, v, None, prog.additive[0])
     TILE_COUNTS["causal"] += 1
     lse = lse.to(acc_dtype(q))
     return lse, torch.ones_like(lse), out
 
 
 def causal_backward(
-    prog: ScoreProgram, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    m: torch.Tensor, l: torch.Tensor,
+    prog: ScoreProgram, kernel: str, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`causal_forward`: the fused kernel's backward, ``is_causal``."""
+    """``(dq, dk, dv)`` of :func:`causal_forward`: the kernel's backward, ``is_causal``."""
     lse = (m + torch.log(l)).to(torch.float32 if q.dtype != torch.float64 else q.dtype)
-    return _FLASH_BACKWARD(grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, True, scale=prog.additive[0])
+    return kernels.backward("causal", kernel, grad_out.to(q.dtype), q, k, v, None, out.to(q.dtype), lse, prog.additive[0])

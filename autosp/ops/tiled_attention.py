@@ -8,20 +8,22 @@ mask. Three ops:
 
 * :func:`~autosp.ops.live_tiles.live_tiles` - which tiles may hold an unmasked logit (above
   :data:`~autosp.ops.score_program.MASKED`), from the program's bounds over each tile
-  (:mod:`autosp.ops.live_tiles`). It depends on the mask alone: the SP pass emits it once for
-  every attention that reads the same mask.
+  (:mod:`autosp.ops.live_tiles`), as a map on the host. It depends on the mask alone: the SP pass
+  emits it once for every attention that reads the same mask, and it reads the device once.
 * :func:`tiled_attention` - per query block, an online softmax over its live key tiles (fp32
-  running max, sum and output; :mod:`autosp.ops.tile_kernels`). It returns the output and, per
-  query row, the running max ``m`` and sum ``l``. A mask that is exactly causal for the batch in
-  hand (Hugging Face's mask builder on rows with no padding and one document: the map says so,
-  :func:`~autosp.ops.live_tiles.exactly_causal`) runs, on CPU, as PyTorch's fused kernel with
-  ``is_causal`` over the whole sequence instead: no tiles.
-* :func:`tiled_attention_backward` - each live tile recomputed (``p = exp(z - m) / l``) with the
-  derivative ``dz/ds`` of the program, which is element-wise in ``s`` (scaling, soft-capping
-  ``tanh``, masks added or filled in). Leaves get no gradient (the pass keeps the dense path for
-  a mask or bias that needs one).
+  running max, sum and output; :mod:`autosp.ops.tile_kernels`), each tile (or run of tiles
+  without a bias) in the kernel the kernel table (:mod:`autosp.ops.kernels`) names for the device.
+  It returns the output and, per query row, the running max (or log-sum-exp) ``m`` and sum ``l``.
+  A mask that is exactly causal for the batch in hand (Hugging Face's mask builder on rows with
+  no padding and one document: the map says so, :func:`~autosp.ops.live_tiles.exactly_causal`)
+  runs as one call of the table's causal kernel with ``is_causal`` over the whole sequence: no tiles.
+* :func:`tiled_attention_backward` - each computed tile recomputed, in the fused kernel's
+  backward, or interpreted (``p = exp(z - m) / l``) with the derivative ``dz/ds`` of the program,
+  which is element-wise in ``s`` (scaling, soft-capping ``tanh``, masks added or filled in).
+  Leaves get no gradient (the pass keeps the dense path for a mask or bias that needs one).
 
-Nothing larger than one tile of ``[B, H, tile, tile]`` exists at a time, forward or backward.
+Nothing larger than one tile of ``[B, H, tile, tile]`` exists at a time, forward or backward
+(runs of tiles without a bias: their keys, no scores).
 Rows whose every key is masked are what dense attention makes of them (see
 :mod:`autosp.ops.tile_kernels`). The ops compute in fp32 and return the output in the program's
 ``out_dtype`` (fp64 inputs: in fp64).
@@ -40,26 +42,36 @@ import pathlib
 
 import torch
 
-from autosp.ops.live_tiles import CAUSAL, LIVE, LIVE_NO_BIAS, PROBE_TILES, is_causal_map, live_map, live_tiles, probe_bytes
+from autosp.ops import kernels
+from autosp.ops.live_tiles import CAUSAL, FILL, LIVE, LIVE_NO_BIAS, PROBE_TILES, is_causal_map, live_map, live_tiles, probe_bytes
 from autosp.ops.score_program import MASKED, TANGENT_RULES, ScoreProgram, is_known_call
 from autosp.ops.tile_kernels import (
-    TILE_COUNTS, acc_dtype, backward_rows, causal_backward, causal_forward, finish_rows, forward_rows, fused, heads_inside, tiles,
+    TILE_COUNTS, acc_dtype, backward_rows, causal_backward, causal_forward, finish_rows, forward_rows, heads_inside, tiles,
 )
 
 __all__ = [
     "attend", "tiled_attention", "tiled_attention_backward", "live_tiles", "live_map", "ScoreProgram", "MASKED", "DEFAULT_TILE",
     "TILE_COUNTS", "workspace_bytes", "probe_bytes", "KERNEL_VERSION", "TANGENT_RULES", "is_known_call", "LIVE", "LIVE_NO_BIAS",
-    "CAUSAL", "PROBE_TILES",
+    "CAUSAL", "FILL", "PROBE_TILES", "default_tile",
 ]
 
 #: query rows and key columns per tile on CPU (one tile of fp32 scores for 8 heads: 8 MiB)
 DEFAULT_TILE = 512
+#: ... on CUDA, where a tile is a call of a fused kernel (a tile's bias: 2 MiB in bf16) and
+#: consecutive tiles without a bias are one call: fewer, larger calls
+CUDA_TILE = 1024
+
+
+def default_tile(device: torch.device) -> int:
+    """Rows and columns per tile when ``tiled_attention=True``: :data:`DEFAULT_TILE` on CPU,
+    :data:`CUDA_TILE` on CUDA."""
+    return CUDA_TILE if device.type == "cuda" else DEFAULT_TILE
 
 #: the hash of the kernel's files, part of every score program: a graph compiled (and cached by
 #: inductor) for another version of the kernel - with other output layouts, say - is not reused
 KERNEL_VERSION = hashlib.sha256(b"".join(
     (pathlib.Path(__file__).parent / name).read_bytes()
-    for name in ("score_program.py", "live_tiles.py", "tile_kernels.py", "tiled_attention.py", "ring_attention.py")
+    for name in ("score_program.py", "live_tiles.py", "tile_kernels.py", "tiled_attention.py", "ring_attention.py", "kernels.py")
 )).hexdigest()[:16]
 
 
@@ -95,6 +107,15 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"tiled_attention: heads q {q.shape[1]}, k {k.shape[1]}, v {v.shape[1]} do not group")
 
 
+def _causal_kernel(prog: ScoreProgram, rows: list[list[int]], q: torch.Tensor, v: torch.Tensor):
+    """The table's kernel for a map marked exactly causal, or ``None`` (tiles): an additive program
+    whose inputs a fused causal kernel takes."""
+    if not is_causal_map(rows) or prog.additive is None:
+        return None
+    kernel = kernels.choose("causal", q, v)
+    return None if kernel == "tiles" else kernel
+
+
 @torch.library.custom_op("autosp_attn::tiled_attention", mutates_args=())
 def tiled_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list[torch.Tensor], live: torch.Tensor, program: str, tile: int
@@ -110,10 +131,11 @@ def tiled_attention(
     out = heads_inside(q, (B, Hq, Sq, v.shape[-1]), prog.out_dtype)
     m_all = torch.empty((B, Hq, Sq), dtype=acc_dtype(q), device=q.device)
     l_all = torch.empty((B, Hq, Sq), dtype=acc_dtype(q), device=q.device)
-    rows = live.tolist()
+    rows = live.tolist()  # a host tensor: no read of the device
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
-        if is_causal_map(rows) and fused(prog, q, v):  # exactly causal: the fused kernel, no tiles
-            m, l, res = causal_forward(prog, q, k, v)
+        kernel = _causal_kernel(prog, rows, q, v)
+        if kernel is not None:  # exactly causal: one call of the table's causal kernel, no tiles
+            m, l, res = causal_forward(prog, kernel, q, k, v)
             return in_layout(res.to(prog.out_dtype), out), in_layout(m, m_all), in_layout(l, l_all)
         for i, (q0, q1) in enumerate(tiles(Sq, tile)):
             res, m, l = finish_rows(forward_rows(prog, q, k, v, leaves, q0, q1, tile, rows[i]))
@@ -147,8 +169,9 @@ def tiled_attention_backward(
     dq = heads_inside(q, tuple(q.shape))
     rows = live.tolist()
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
-        if is_causal_map(rows) and fused(prog, q, v):
-            grads = causal_backward(prog, grad_out, q, k, v, out, m, l)
+        kernel = _causal_kernel(prog, rows, q, v)
+        if kernel is not None:
+            grads = causal_backward(prog, kernel, grad_out, q, k, v, out, m, l)
             bufs = (dq, heads_inside(k, tuple(k.shape)), heads_inside(v, tuple(v.shape)))
             return tuple(in_layout(g, buf) for g, buf in zip(grads, bufs))  # the layouts the fake declares
         dk = heads_inside(k, tuple(k.shape), dtype, zero=True)
@@ -183,5 +206,5 @@ tiled_attention.register_autograd(_backward, setup_context=_setup_context)
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leaves: list[torch.Tensor], program: str, tile: int) -> torch.Tensor:
     """:func:`tiled_attention`'s output over the tiles :func:`live_tiles` finds (differentiable)."""
-    live = live_tiles(leaves, program, tile, q.shape[2], k.shape[2], q.device)
+    live = live_tiles(leaves, program, tile, q.shape[2], k.shape[2])
     return tiled_attention(q, k, v, leaves, live, program, tile)[0]

@@ -65,6 +65,7 @@ for _kind, _names in {
         "_scaled_dot_product_attention_math", "_scaled_dot_product_attention_math_for_mps",
         "_flash_attention_forward", "_efficient_attention_forward",
         "tiled_attention", "tiled_attention_backward", "live_tiles",  # autosp_attn:: (autosp.ops.tiled_attention)
+        "ring_attention", "ring_attention_backward", "ring_live_tiles",  # autosp_attn:: (autosp.ops.ring_attention)
     ),
     "linear": (
         "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "mv", "addmv",

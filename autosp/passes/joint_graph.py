@@ -133,7 +133,7 @@ def is_attention(node: fx.Node) -> bool:
 
 
 #: the tiled attention ops and the position of their list of score-program leaves
-_LEAVES_ARG = {"autosp_attn::tiled_attention": 3, "autosp_attn::live_tiles": 0}
+_LEAVES_ARG = {"autosp_attn::tiled_attention": 3, "autosp_attn::live_tiles": 0, "autosp_attn::ring_live_tiles": 0}
 
 
 def score_program_leaves(node: fx.Node) -> list[fx.Node]:

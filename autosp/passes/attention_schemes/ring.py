@@ -29,13 +29,15 @@ from autosp.layout import attention_layouts
 from autosp.ops import ring_attention as _ring_ops  # noqa: F401  (registers autosp_attn::ring_attention)
 from autosp.passes.attention_schemes.base import register_scheme
 from autosp.passes.attention_schemes.ulysses import Ulysses
+from autosp.ops.tiled_attention import default_tile
 from autosp.passes.sp_rules.score_program import leaf_values
 
-__all__ = ["Ring", "RING_SEQ_GATHER", "RING_SEQ_SCATTER", "RING_ATTENTION"]
+__all__ = ["Ring", "RING_SEQ_GATHER", "RING_SEQ_SCATTER", "RING_ATTENTION", "RING_LIVE_TILES"]
 
 RING_SEQ_GATHER = torch.ops.autosp.ring_seq_gather.default
 RING_SEQ_SCATTER = torch.ops.autosp.ring_seq_scatter.default
 RING_ATTENTION = torch.ops.autosp_attn.ring_attention.default
+RING_LIVE_TILES = torch.ops.autosp_attn.ring_live_tiles.default
 
 
 class Ring(Ulysses):
@@ -72,17 +74,16 @@ class Ring(Ulysses):
         ``[B, Hk', S/R, D]``), the leaves whole: its output ``[B, H/U, S/R, Dv]``."""
         leaves = leaf_values(rw, program, heads)
         rw.record_mask_inputs(list(program.leaves))
-        tile = rw.attention_tile or _default_tile()
-        args = (q, k, v, leaves, program.text, tile, rw.emit(rw.seq), rw.group_name, rw.sp_rank, rw.ring, rw.zigzag)
+        tile = rw.attention_tile or default_tile(device)
+        seq = rw.emit(rw.seq)
+        key = ("ring", program.text, tuple(leaves), tile)
+        if key not in rw.live_tiles:  # the maps of every step: once for the attention calls that share the mask
+            ring_rank = rw.sp_rank // (rw.sp_size // rw.ring)
+            rw.live_tiles[key] = rw.graph.call_function(RING_LIVE_TILES, (leaves, program.text, tile, seq, rw.ring, ring_rank, rw.zigzag))
+        args = (q, k, v, leaves, rw.live_tiles[key], program.text, tile, seq, rw.group_name, rw.sp_rank, rw.ring, rw.zigzag)
         call = rw.graph.call_function(RING_ATTENTION, args)
         rw.stats.ring_attention += 1
         return rw.graph.call_function(operator.getitem, (call, 0))
-
-
-def _default_tile() -> int:
-    from autosp.ops.tiled_attention import DEFAULT_TILE
-
-    return DEFAULT_TILE
 
 
 register_scheme(Ring())

@@ -34,7 +34,7 @@ from autosp.passes.placement import hinted_bytes
 from autosp.passes.sp_rules.registry import OpCall, RuleResult, calls, op, sp_rule
 from autosp.passes.sp_rules.score_program import ExtractedProgram, NotAFunction, ProgramBuilder, leaf_values, scaled_scores, sdpa_logits
 from autosp.passes.sp_rules.shape import repeat_interleave_args
-from autosp.ops.tiled_attention import DEFAULT_TILE
+from autosp.ops.tiled_attention import default_tile
 
 if TYPE_CHECKING:
     from autosp.passes.rewrite import SPRewrite
@@ -172,11 +172,11 @@ def emit_tiled_attention(
     once per mask, for every attention call that reads the same one."""
     leaves = leaf_values(rw, program, heads)
     rw.record_mask_inputs(list(program.leaves))
-    tile = rw.attention_tile or DEFAULT_TILE
+    tile = rw.attention_tile or default_tile(device)
     key = (program.text, tuple(leaves), tile)
     if key not in rw.live_tiles:  # the tiles the mask leaves: computed once for the attention calls that share it
         seq = rw.emit(rw.seq)
-        rw.live_tiles[key] = rw.graph.call_function(LIVE_TILES, (leaves, program.text, tile, seq, seq, device))
+        rw.live_tiles[key] = rw.graph.call_function(LIVE_TILES, (leaves, program.text, tile, seq, seq))
     call = rw.graph.call_function(TILED_ATTENTION, (q, k, v, leaves, rw.live_tiles[key], program.text, tile))
     rw.stats.tiled_attention += 1
     return rw.graph.call_function(operator.getitem, (call, 0))
