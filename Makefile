@@ -1,6 +1,7 @@
 # Two entry points, each working on a fresh machine (they create .venv on first use):
 #   make demo   - the main job: long-context KV recall, 2 CPU processes, sequence parallel (sp=2)
-#   make test   - the test suite
+#   make test   - the test suite's default tier: every unit test, one fit per feature (within 10 minutes on 2 cores)
+#   make test-all - every test (CI runs it: .ci/run)
 #   make benchmarks - the benchmarks behind BENCHMARKS.md, then the page (about 1 hour 50 minutes on 2 cores;
 #                     benchmarks/sac_memory.py runs on its own)
 #   make test-compat TORCH_SPEC=torch==2.9.1 [LIGHTNING_SPEC=lightning==2.5.0]
@@ -35,7 +36,7 @@ COMPAT_TESTS := tests/test_compat.py tests/test_strategy.py tests/test_pass.py t
 	tests/test_checkpointing.py::test_checkpointing_written_by_hand_matches_one_device \
 	tests/test_checkpointing.py::test_hugging_face_checkpointing_is_refused_where_dynamo_cannot_trace_it 'tests/test_lora.py::test_lora_matches_one_device[sharded]'
 
-.PHONY: demo test install benchmarks test-compat
+.PHONY: demo test test-all install benchmarks test-compat
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -53,6 +54,9 @@ demo: install
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
+test-all: install
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 --all
+
 benchmarks: install
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --disable-pip-version-check -e ".[bench]"
 	$(PY) benchmarks/report.py
@@ -63,4 +67,4 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" $(if $(LIGHTNING_SPEC),"$(LIGHTNING_SPEC)") -e ".[test]"
 	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps "litgpt==0.5.13" "psutil>=5"
 	$(COMPAT_VENV)/bin/python -c "import torch, lightning; print('torch', torch.__version__, '/ lightning', lightning.__version__)"
-	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider --all $(COMPAT_TESTS)

@@ -3,8 +3,7 @@
 A thin adapter from the Trainer's hooks to the framework-agnostic core (:mod:`autosp`): the
 ``dp x sp`` mesh (:mod:`autosp.mesh`), the compiled steps and their checks (:mod:`autosp.steps`)
 and the mode that holds the parameters and writes checkpoints (:mod:`autosp.modes`), picked once
-here and then only called. ``lightning_autosp.fabric.AutoSPStrategy`` is
-the same for Lightning Fabric.
+here and then only called. ``lightning_autosp.fabric.AutoSPStrategy`` is the same for Fabric.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ class AutoSPStrategy(SPGrid, DDPStrategy):
     out) applied by a compiler pass, on top of DDP.
 
     The world is a ``(dp, sp)`` grid: each SP group of ``sp_size`` contiguous ranks splits every
-    sequence of its batch; SP groups are data-parallel replicas that see
-    disjoint samples. In ``setup`` the module's ``training_step``, ``validation_step``,
+    sequence of its batch; SP groups are data-parallel replicas that see disjoint samples. In ``setup`` the module's ``training_step``, ``validation_step``,
     ``test_step`` and ``predict_step`` are compiled with the AutoSP backend, which rewrites the Dynamo graph (all-to-all around every
     ``F.scaled_dot_product_attention``, positions, label shifts and losses made right for each
     shard) before AOT autograd and ``compile_backend``. The loss a step returns and logs is the

@@ -19,6 +19,22 @@ if not os.environ.get("TORCH_TRACE"):
     logging.getLogger("torch.__trace").propagate = True
 
 
+# The two tiers (pyproject.toml's markers, docs/testing.md): plain `pytest` (`make test`) runs the
+# default tier - every unit test and one end-to-end fit per feature with its negative control;
+# `pytest --all` (`make test-all`, CI), or AUTOSP_TESTS=all, also the tests marked `full`.
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true", help="run the full tier: the tests marked `full` too (also AUTOSP_TESTS=all)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--all") or os.environ.get("AUTOSP_TESTS") == "all":
+        return
+    full = [item for item in items if item.get_closest_marker("full")]
+    if full:
+        config.hook.pytest_deselected(items=full)
+        items[:] = [item for item in items if not item.get_closest_marker("full")]
+
+
 @pytest.fixture(autouse=True)
 def _reset_dynamo():
     torch._dynamo.reset()

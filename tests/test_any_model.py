@@ -83,6 +83,7 @@ def test_explicit_attention_masks(tmp_path, kind):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("heads,kv_heads,devices", [(4, 1, 2), (8, 2, 4)], ids=["kv1-sp2", "h8kv2-sp4"])
+@pytest.mark.full
 def test_gqa_with_fewer_kv_heads_than_sp(tmp_path, heads, kv_heads, devices):
     """MQA (one KV head) at sp=2 and 2 KV heads at sp=4: KV heads replicated across ranks."""
     factory = lambda: TinyAttentionLM(heads=heads, kv_heads=kv_heads, layers=1)  # noqa: E731
@@ -114,6 +115,7 @@ def shifted_loss(model, batch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.full
 def test_lengths_change_without_recompiling(tmp_path, backend):
     """Three lengths, one odd, with a shifted loss (the last rank holds the fewest targets):
     one compile, and the same graphs on every SP rank (a rank-dependent guard would make one
@@ -184,7 +186,9 @@ class PaddedData(TokenData):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "family,side,devices,layers",
-    [("llama", "right", 2, 2), ("llama", "left", 4, 1), ("qwen2", "right", 2, 1), ("deepseek_v3", "right", 2, 2)],
+    [("llama", "right", 2, 2), pytest.param("llama", "left", 4, 1, marks=pytest.mark.full),
+     pytest.param("qwen2", "right", 2, 1, marks=pytest.mark.full), ("deepseek_v3", "right", 2, 2)],
+    ids=["llama-right-2-2", "llama-left-4-1", "qwen2-right-2-1", "deepseek_v3-right-2-2"],
 )
 def test_hugging_face_decoders(tmp_path, family, side, devices, layers):
     """Llama at sp=2 with two layers and self.log; left padding at sp=4 (the first rank holds

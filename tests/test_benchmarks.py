@@ -50,6 +50,7 @@ def test_memory_model_matches_eager_autograd():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_memory_model_depth_extrapolation_and_variant_order():
     cfg = replace(CFG, n_layers=4)
     S = 64
@@ -65,6 +66,7 @@ def test_memory_model_depth_extrapolation_and_variant_order():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_every_prediction_variant_traces():
     """The variants and masks of the trainability prediction all trace on a small config, so a
     change to SAC or the pass cannot break the prediction unseen (full activation checkpointing
@@ -252,6 +254,7 @@ def _all_to_all_worker(rank, world):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_all_to_all_bytes_count_what_each_variant_sends(tmp_path):
     """The profiler-based count against the bytes each variant must send in one step, forward
     and backward: per layer and direction, the hand-written baseline sends q, k, v (k and v
@@ -265,6 +268,7 @@ def test_all_to_all_bytes_count_what_each_variant_sends(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_sp_split_reports_what_stays_replicated():
     """benchmarks/sp_split.py on a row of 512 tokens: LitGPT's fine-tuning recipe (lm_head chunks, its GQA
     repeat_interleave) keeps ~1/2 of its sp=1 bytes per rank at sp=2, with nothing replicated."""

@@ -18,6 +18,7 @@ STEPS, SAVE_AT = 8, 3  # 4 batches per epoch: the checkpoint interrupts epoch 0
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.full
 def test_resume_equals_the_uninterrupted_run(tmp_path, fsdp):
     """AdamW (its moments are state a resume must restore), sp=2, 8 steps over two epochs.
     Run A saves at step 3 (mid-epoch) and goes on; run B resumes from it with ``ckpt_path``. B's
@@ -160,6 +161,7 @@ def _fit_under_model_parallel(tmp_path, **kwargs):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_sharded_checkpoint_resumes_under_model_parallel_strategy_and_back(tmp_path):
     """AutoSP's sharded checkpoint (a torch distributed checkpoint, ``fsdp=True``, sp=2) and one
     written by Lightning's own ``ModelParallelStrategy`` (FSDP2, one device, in a process of its
@@ -240,6 +242,7 @@ class _ProbeAfterResume(LMModule):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_sharded_checkpoint_resumes_on_other_layouts(tmp_path):
     """Saved at step 2 by dp=2 x sp=2 with fsdp=True (4 shard files), resumed at sp=4, at dp=1 x
     sp=2 (2 ranks: each reads parts of two files) and replicated (fsdp=False): right after the
@@ -457,6 +460,7 @@ def _save_sharded_hf(rank, world, path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_export_to_one_file_and_to_hugging_face(tmp_path):
     """``python -m autosp.export``: a sharded checkpoint of a Hugging Face Llama (keys
     ``model._orig_mod.*`` as a compiled module inside a LightningModule saves them) becomes (a)

@@ -58,6 +58,7 @@ def test_demo_task_needs_attention_across_the_sp_shards():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config,fsdp", [("llama_sp8.yaml", "false"), ("llama8b_sp8_fsdp.yaml", "true")])
+@pytest.mark.full
 def test_gpu_config_parses(config, fsdp):
     out = subprocess.run(
         [sys.executable, "-m", "lightning_autosp.cli", "fit", "--config", str(ROOT / "configs" / config), "--ckpt_path=last", "--print_config"],

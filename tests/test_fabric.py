@@ -88,7 +88,10 @@ def rel(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices,fsdp", [(2, False), (4, False), (2, True), (4, "hybrid")], ids=["sp2", "dp2xsp2", "sp2-sharded", "dp2xsp2-hybrid"])
+@pytest.mark.parametrize(
+    "devices,fsdp", [(2, False), pytest.param(2, True, marks=pytest.mark.full), pytest.param(4, "hybrid", marks=pytest.mark.full)],
+    ids=["sp2", "sp2-sharded", "dp2xsp2-hybrid"],
+)
 def test_fabric_pretraining_loop_matches_one_device(tmp_path, devices, fsdp):
     run = run_fabric(tmp_path, devices, fsdp)
     final, norms = {}, []

@@ -61,6 +61,7 @@ class TimeoutProbe(L.Callback):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_user_timeout_applies_to_sp_and_dp_groups(tmp_path, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     strategy = AutoSPStrategy(sp_size=2, compile_backend="aot_eager", start_method=START_METHOD, timeout=timedelta(seconds=123))
@@ -94,6 +95,7 @@ def test_a_rank_that_raises_ends_the_job_with_its_error(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_fork_launch_in_a_notebook(tmp_path):
     """``start_method="fork"`` (Lightning's ``ddp_notebook``) from a process that compiled
     nothing trains, twice. After the launching process compiled a training step, a forked child cannot

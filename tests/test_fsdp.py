@@ -65,7 +65,7 @@ def _errors(run, sp_size, ref_losses, ref_grads, ref_final):
 
 @pytest.mark.parametrize(
     "kind,devices,sp_size,clip,in_configure_model",
-    [("gpt", 2, 2, CLIP, False), pytest.param("llama", 4, 2, None, True, marks=pytest.mark.slow)],
+    [("gpt", 2, 2, CLIP, False), pytest.param("llama", 4, 2, None, True, marks=pytest.mark.slow)],  # both in the default tier
     ids=["gpt-sp2-clipped", "llama-dp2xsp2-configure_model"],
 )
 def test_sharded_matches_single_device(tmp_path, kind, devices, sp_size, clip, in_configure_model):
@@ -150,6 +150,7 @@ def _hf_llama_tied():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_sharded_fine_tune_from_hugging_face_weights_matches_single_device(tmp_path):
     """A fine-tune as a Hugging Face user starts one: a Llama (tied embeddings) saved with
     ``save_pretrained`` (safetensors, the tied head stored once), built from its config in
@@ -389,6 +390,7 @@ class _UserCode(LMModule):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_user_code_sees_what_it_sees_on_one_device(tmp_path):
     """The issue's table, sharded against replicated (GPT with biases, sp=2, one step): the same
     weight-decay groups (for the 1-layer GPT: 6 matrices decayed, 10 vectors not), names,
@@ -440,6 +442,7 @@ def test_lightning_grad_norm_error_names_the_fix():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_sharded_bf16_mixed_gathers_in_bf16(tmp_path):
     """``precision="bf16-mixed"``: parameters are all-gathered in bfloat16 (half the bytes of
     fp32) and gradients reduce-scattered in float32 (read off every rank's compiled graphs), the
@@ -513,6 +516,7 @@ def _node_agent(node_rank, port, out, steps):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_hybrid_sharding_two_nodes_matches_single_device(tmp_path):
     """``fsdp="hybrid"`` on two simulated nodes (two launcher agents with NODE_RANK 0 and 1, two
     processes each): dp=2 x sp=2, parameters sharded within a node (``(replicate, shard)`` mesh

@@ -104,6 +104,7 @@ def _worker(rank, world, S, sac, native):
     [(12, False, None), (11, False, None), (11, False, False), (12, True, None), (12, True, False)],
     ids=["even", "uneven", "uneven-repeat", "even-sac", "even-sac-repeat"],
 )
+@pytest.mark.full
 def test_kv_exchanged_before_the_models_repeat(tmp_path, S, sac, native):
     """On CPU (``native_gqa=None``) attention gets the exchanged KV heads unrepeated with
     ``enable_gqa=True``; with ``native_gqa=False`` (as on CUDA) they are repeated after the

@@ -58,7 +58,8 @@ def loss_fn(model, batch):
 
 
 @pytest.mark.parametrize(
-    "pattern", ["mul_and_alias", pytest.param("relu_after_gather", marks=pytest.mark.slow), "mask_mutated_after_slice"]
+    "pattern", ["mul_and_alias", pytest.param("relu_after_gather", marks=[pytest.mark.slow, pytest.mark.full]),
+                pytest.param("mask_mutated_after_slice", marks=pytest.mark.full)]
 )
 def test_inplace_matches_one_device(tmp_path, pattern):
     factory = lambda: InplaceLM(pattern)  # noqa: E731

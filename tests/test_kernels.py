@@ -285,6 +285,7 @@ def test_hugging_face_masks_through_the_cuda_rows_equal_one_device(tmp_path, mon
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [(2, 2), (1, 4)], ids=["ulysses2xring2", "ulysses1xring4"])
+@pytest.mark.full
 def test_ring_layouts_through_the_cuda_rows_equal_one_device(tmp_path, monkeypatch, layout):
     """The ring level's steps through the CUDA rows: Hugging Face Llama with packed documents and
     Mistral's window inside them, 4 processes, 31 tokens: every ring step's blocks in the emulated
@@ -311,6 +312,7 @@ def _ring_zoo():
     return ModelZoo([f for f in FAMILIES if f[0] in ("llama_packed_sdpa", "mistral_window_in_documents")])
 
 
+@pytest.mark.full
 def test_a_step_reads_the_device_once_for_its_masks(tmp_path, monkeypatch):
     """A 2-layer Hugging Face Llama with packed documents at sp=2 through the CUDA rows (where a
     read of the device stalls the stream): each step reads the device into Python once for its
@@ -333,6 +335,7 @@ def test_a_step_reads_the_device_once_for_its_masks(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ benchmarks/gpu_check.py's kernel table, dry run
+@pytest.mark.full
 def test_gpu_check_dry_runs_the_kernel_table_on_cpu(tmp_path):
     """``gpu_check.py --device cpu --rows cuda --kernels-only``: every case of the table through the
     CUDA rows (emulated), two tiles each way (1,100 tokens, tiles of 1,024), within its tolerances,
@@ -357,6 +360,7 @@ def test_gpu_check_dry_runs_the_kernel_table_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_the_hugging_face_step_timing_runs(monkeypatch):
     """``kernel_table.hf_mask_step`` at a tiny size on CPU (aot_eager): both models train a step under
     AutoSP on the fake process group, the one with its mask through the table's causal row."""

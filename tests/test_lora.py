@@ -25,7 +25,7 @@ def adapted_loss(m, batch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=pytest.mark.full)], ids=["replicated", "sharded"])
 def test_lora_matches_one_device(tmp_path, fsdp):
     run = run_fit(tmp_path, FnModule(Adapted, adapted_loss, log_loss=False), TokenData(8, 30), 2, 2, fsdp=fsdp)
     loss_err, grad_err, naive = check_against_references(run, 2, Adapted, adapted_loss)

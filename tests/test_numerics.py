@@ -36,11 +36,15 @@ def _data(extras: dict) -> TokenData:
     return TokenData(24 if extras.get("accumulate") else 16, extras.get("seq_len", 32))
 
 
-# the two fastest cases stay in `pytest -m "not slow"`
+# the two fastest cases stay in `pytest -m "not slow"`; the default tier: GPT at sp=2 and Llama (GQA) at dp=2 x sp=2
 FAST_CASES = ("gpt-sp2-ignore", "llama-sp2-nosac")
+DEFAULT_TIER = ("gpt-sp2-ignore", "llama-dp2xsp2")
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in FAST_CASES else pytest.mark.slow) for c in CASES])
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=[m for m, on in ((pytest.mark.slow, c not in FAST_CASES), (pytest.mark.full, c not in DEFAULT_TIER)) if on])
+    for c in CASES
+])
 def test_matches_single_device(tmp_path, case):
     kind, devices, sp_size, extras = CASES[case]
     layers, shift, accumulate = extras.get("layers", 1), extras.get("shift", False), extras.get("accumulate", 1)
@@ -78,6 +82,7 @@ def test_matches_single_device(tmp_path, case):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_default_configuration_matches_single_device(tmp_path):
     """What users run by default: compile_backend="inductor" with SAC on (the other tests use
     aot_eager, also with SAC on, to compile faster). Llama: RoPE, GQA, RMSNorm, SwiGLU."""
@@ -110,6 +115,7 @@ class MetricModule(LMModule):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_metrics_and_logging_compile_once(tmp_path):
     """Graphs compiled once for the whole run, and the logged accuracy and loss are the
     full-sequence ones, also with the loss computed after the metric's graph break. Before

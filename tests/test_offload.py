@@ -132,6 +132,7 @@ def _worker(rank, world):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_offload_is_exact_and_moves_what_the_budget_requires(tmp_path):
     for res in spawn(tmp_path, _worker, 2):
         off = res["off"]
@@ -157,7 +158,7 @@ def test_offload_is_exact_and_moves_what_the_budget_requires(tmp_path):
 
 # ----------------------------------------------------------------------------- whole blocks (ALST's scheme)
 @pytest.mark.slow
-@pytest.mark.parametrize("offload", [False, True], ids=["block", "block-offload"])
+@pytest.mark.parametrize("offload", [pytest.param(False, marks=pytest.mark.full), True], ids=["block", "block-offload"])
 def test_block_recompute_is_exact(tmp_path, offload):
     """``sac="block"``: every transformer block recomputed whole in backward (attention and its
     all-to-alls run again), only what each block hands on saved - with ``activation_offload=True``

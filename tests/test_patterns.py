@@ -116,6 +116,7 @@ PATTERNS = [
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_pattern_matches_one_device(tmp_path, pattern):
     factory = lambda: PatternLM(pattern)  # noqa: E731
@@ -127,6 +128,7 @@ def test_pattern_matches_one_device(tmp_path, pattern):
     assert sum(g.manual_attention for g in graphs) == (2 if pattern.startswith("manual") else 0)
 
 
+@pytest.mark.full
 def test_feature_dim_equal_to_the_sequence_length_is_a_clear_error(tmp_path):
     """``feats`` is ``[B, 24]`` and so is the sequence: by shape alone it is a sequence tensor,
     but the model feeds it to a Linear(24, d). Before: Dynamo's internal ConstraintViolationError."""

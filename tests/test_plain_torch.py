@@ -26,6 +26,7 @@ _LOADED = (  # preparing a model that is not Hugging Face's imports no transform
 )
 
 
+@pytest.mark.full
 def test_core_imports_without_lightning():
     """Every core module imports with no Lightning package loaded, and preparing a model that is not
     Hugging Face's for compiling imports no transformers; the same probe after

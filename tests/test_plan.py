@@ -78,6 +78,7 @@ def test_plan_of_the_cpu_demo_config(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_plan_of_llama_8b_on_one_node(capsys, tmp_path):
     """Llama-3.1-8B's config.json, one 8 x 80 GB node, a million tokens: replicas never fit (16
     bytes per parameter on every GPU), the sharded mode with SAC and offload does, limited by
@@ -125,6 +126,7 @@ def test_plan_errors(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_plan_lays_out_28_heads_on_one_node(capsys, tmp_path):
     """A Qwen2-7B-shaped config (28 query heads, 4 KV heads) on one node of 8: Ulysses alone could
     use 4 GPUs (before the ring, plan stopped with a traceback); the plan lays sp_size=8 out as
@@ -141,6 +143,7 @@ def test_plan_lays_out_28_heads_on_one_node(capsys, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_plan_of_llama_8b_on_four_nodes_reaches_alst():
     """Llama-3.1-8B on 4 x 8 x 80 GB, one SP group over all 32 GPUs (Ulysses over a node's 8, a
     ring of 4 across the nodes): blocks recomputed whole, tiled regions and offload predict at least
@@ -189,6 +192,7 @@ def _measure(rank, world):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_predictions_within_ten_percent_of_cpu_runs(tmp_path):
     # fresh processes: a rank forked from the test process would touch the pages it inherited
     # (reference counts) and count them in its resident peak

@@ -64,7 +64,7 @@ CASES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "auto-3heads-sp2" else pytest.mark.full) for c in CASES])
 def test_ring_layouts_match_one_device(tmp_path, case):
     """Lengths not divisible by sp_size or by 2 x ring; a shifted loss, so the label shift crosses
     shard boundaries. Every attention runs in the ring kernel, nothing replicated."""
@@ -78,6 +78,7 @@ def test_ring_layouts_match_one_device(tmp_path, case):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_mask_families_on_a_ring(tmp_path):
     """Four families of the mask zoo at ulysses=2 x ring=2 over 31 tokens - Hugging Face Llama with
     packed documents, Mistral with a sliding window inside them, Qwen2 with padding on either side,
@@ -108,6 +109,7 @@ DOCS = [(0, 6), (6, 26), (26, 31)]  # the middle document spans all four chunks 
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_documents_never_leak_across_ring_steps(tmp_path):
     """ring=2, the middle document spanning both ring ranks (head and tail chunks): the gradient of
     its loss with respect to the other documents' embeddings is exactly 0, and that loss equals one
@@ -157,7 +159,7 @@ def _node_agent(node_rank, nodes, port, out, fsdp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=pytest.mark.full)], ids=["replicated", "sharded"])
 def test_sp_groups_across_nodes(tmp_path, fsdp):
     """Four simulated nodes of two processes (four launcher agents with NODE_RANK 0..3), sp_size=4:
     each SP group spans two nodes; the automatic layout keeps Ulysses inside a node (ulysses=2) and

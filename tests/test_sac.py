@@ -283,6 +283,7 @@ def _fused_loss_recomputed_worker(rank, world):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_partition_that_recomputes_the_fused_loss_is_refused(tmp_path):
     for res in spawn(tmp_path, _fused_loss_recomputed_worker, 2):
         assert "would recompute the fused vocabulary loss" in res["forced"], res["forced"]

@@ -231,7 +231,7 @@ DENSE_CONTROLS = ("llama-packed-sdpa", "documents-window-manual")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(LONG_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "llama-packed-sdpa" else pytest.mark.full) for c in LONG_CASES])
 def test_no_sequence_squared_tensor_at_4096_tokens(case):
     """At S = 4096 and sp=2 nothing in the compiled joint graph holds S x S elements, and the bytes
     a rank saves for backward are within 1.1x of the same model with plain causal attention; with
@@ -256,6 +256,7 @@ def test_no_sequence_squared_tensor_at_4096_tokens(case):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_masks_that_stay_dense_are_reported():
     """A mask given as data (a batch input), a learned bias (it needs a gradient) and
     tiled_attention=False keep SDPA with the dense mask, each reported with its size and why."""
