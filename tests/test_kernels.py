@@ -117,6 +117,19 @@ def test_every_device_and_case_has_a_row_and_the_docs_show_it():
     assert "Nothing in this table has run on a GPU yet" in page
 
 
+def test_leaves_travel_to_the_host_in_one_transfer_and_come_back_whole():
+    """What ``to_host`` sends for a mask's leaves on a GPU - every leaf packed into one byte tensor
+    (one copy, one read of the device) - unpacks to the same values, whatever the dtypes, their
+    order (a bool before an int64 leaves it unaligned in the bytes) and layouts (broadcast views)."""
+    leaves = [torch.tensor([True, False, True]), torch.arange(5)[:, None], torch.arange(4.0).expand(2, 4), torch.ones(1, 3, dtype=torch.bfloat16)]
+    back = kernels.unpack_bytes(kernels.pack_bytes(leaves), leaves)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(back, leaves))
+    reads = kernels.HOST_READS["count"]
+    with kernels.kernel_rows("cuda"):
+        kernels.to_host(leaves)  # CPU tensors on the CUDA rows: counted as the read a GPU would make
+    assert kernels.HOST_READS["count"] == reads + 1
+
+
 def test_the_switch_refuses_without_cpu_implementations(monkeypatch):
     monkeypatch.setattr(kernels, "_has_cpu_kernel", lambda op: False)
     with pytest.raises(RuntimeError, match="no CPU implementation here: register one first"):
@@ -313,22 +326,23 @@ def _ring_zoo():
 
 
 @pytest.mark.full
-def test_a_step_reads_the_device_once_for_its_masks(tmp_path, monkeypatch):
-    """A 2-layer Hugging Face Llama with packed documents at sp=2 through the CUDA rows (where a
-    read of the device stalls the stream): each step reads the device into Python once for its
-    masks - the map of live tiles made once, shared by both layers, forward and backward - and the
-    steps equal one device."""
+@pytest.mark.parametrize("sac,layers", [(True, 2), ("block", 1)], ids=["sac-2layers", "block-1layer"])
+def test_a_step_reads_the_device_once_for_its_masks(tmp_path, monkeypatch, sac, layers):
+    """A Hugging Face Llama with packed documents at sp=2 through the CUDA rows (where a read of
+    the device stalls the stream): each step reads the device into Python once for its masks - the
+    map of live tiles made once, shared by both layers, forward and backward; under
+    ``sac="block"`` kept, not recomputed with the block - and the steps equal one device."""
     from mask_models import hf_factory, packed_call
     from sp_harness import FnModule, check_against_references, run_fit
     from test_masks import ZooData
 
     monkeypatch.setenv(kernels.ROWS_ENV, "cuda")
-    factory = hf_factory("llama", layers=2, seed=8)
+    factory = hf_factory("llama", layers=layers, seed=8)
     run = run_fit(tmp_path, FnModule(factory, packed_call, log_loss=False), ZooData(4, 29), devices=2, sp_size=2, tiled_attention=8,
-                  steps=2)
+                  steps=2, sac=sac)
     check_against_references(run, 2, factory, packed_call)
     (graph,) = run.ranks[0]["graphs"]["training_step"]
-    assert graph.tiled_attention == 2
+    assert graph.tiled_attention == layers
     for rec in run.ranks:
         assert rec["host_reads"] == 2, rec["host_reads"]  # two steps, one read each
         assert rec["tile_counts"]["computed"] > 0

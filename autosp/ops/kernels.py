@@ -182,12 +182,22 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             HOST_READS["count"] += 1
         return list(tensors)
     HOST_READS["count"] += 1
-    flat = [t.contiguous().view(-1).view(torch.uint8) for t in tensors]
-    host = torch.cat(flat).cpu()
+    return unpack_bytes(pack_bytes(tensors).cpu(), tensors)
+
+
+def pack_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` (any dtypes, shapes and layouts) as one ``uint8`` tensor, one after the other."""
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
+
+
+def unpack_bytes(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`pack_bytes`' inverse: tensors with the dtypes and shapes of ``like`` (contiguous),
+    each copied out of ``flat`` so that its storage starts aligned for its dtype."""
     out, start = [], 0
-    for t, f in zip(tensors, flat):
-        out.append(host[start:start + f.numel()].view(t.dtype).view(t.shape))
-        start += f.numel()
+    for t in like:
+        n = t.numel() * t.element_size()
+        out.append(flat[start:start + n].clone().view(t.dtype).view(t.shape))
+        start += n
     return out
 
 

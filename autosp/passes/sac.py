@@ -48,6 +48,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autosp._compat import prepare_recompute_tags
+from autosp.ops import live_tiles as _live_tiles, ring_attention as _ring_attention  # noqa: F401  (register the map ops)
 from autosp.passes.attention_schemes import schemes
 from autosp.passes.checkpoints import checkpoint_region_of
 from autosp.passes import accounting as memory
@@ -237,8 +238,14 @@ def block_tag_pass(
         if block is None:
             continue
         leaves = n in fwd_outputs or any(u in fwd and blocks.get(u) != block for u in n.users if u is not output)
+        # a mask's map of live tiles (a few bytes on the host) is made once per step: recomputing it would read the device again
+        leaves = leaves or n.target in _MASK_MAPS
         n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if leaves else CheckpointPolicy.MUST_RECOMPUTE
     return joint
+
+
+#: the ops that make a mask's maps of live tiles on the host (:mod:`autosp.ops.live_tiles`, the ring's)
+_MASK_MAPS = (torch.ops.autosp_attn.live_tiles.default, torch.ops.autosp_attn.ring_live_tiles.default)
 
 
 def _recomputable_ancestors(leaves: set[fx.Node], fwd: set[fx.Node]) -> list[fx.Node]:
