@@ -253,6 +253,37 @@ def test_fake_cuda_traces_at_8b_sizes(case, kernel, dtype, rows, keys):
     assert checks.calls == [f"{forward}.default"] * calls + [f"{forward}_backward.default"] * calls
 
 
+@pytest.mark.parametrize("case", ["score", "keyless"])
+def test_fake_traces_of_the_listed_fallbacks_at_8b_sizes(case):
+    """The rows whose kernel is the interpreted tiles (soft-capping; a block of rows with no key
+    under a finite fill) at the same sizes: one block of 1024 rows over every key tile of 131,072
+    tokens, forward and backward, on fake tensors (the tiles are PyTorch ops: no convention of a
+    CUDA op to check, only that every op takes these shapes and dtypes)."""
+    from autosp.ops import programs
+    from autosp.ops.live_tiles import FILL, LIVE
+    from autosp.ops.score_program import ScoreProgram
+    from autosp.ops.tile_kernels import backward_rows, forward_rows
+
+    tile, n = 1024, S8 // 1024
+    with FakeTensorMode():
+        if case == "score":
+            text, leaves = programs.soft_capped_causal(S8, 1 / math.sqrt(D8), 50.0, torch.bfloat16)
+            row = [LIVE] + [0] * (n - 1)
+        else:
+            text, leaves = programs.padded_with_finite_fill(S8, torch.ones(1, S8, dtype=torch.bool), 1 / math.sqrt(D8), torch.bfloat16)
+            row = [FILL] * n
+        prog = ScoreProgram.parse(text)
+        q = torch.empty(B8, S8, HQ8, D8, dtype=torch.bfloat16).transpose(1, 2)
+        k = v = torch.empty(B8, S8, HK8, D8, dtype=torch.bfloat16).transpose(1, 2)
+        m, l, acc = forward_rows(prog, q, k, v, leaves, 0, tile, tile, row)
+        assert tuple(acc.shape) == (B8, HQ8, tile, D8) and m.dtype == l.dtype == torch.float32
+        out = torch.empty_like(q)
+        m_all, l_all = torch.zeros(B8, HQ8, S8), torch.ones(B8, HQ8, S8)
+        dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
+        dq = backward_rows(prog, out, q, out, m_all, l_all, torch.zeros(B8, HQ8, S8), k, v, leaves, 0, tile, tile, row, dk, dv)
+        assert tuple(dq.shape) == (B8, HQ8, tile, D8)
+
+
 def test_the_fake_trace_catches_a_misuse():
     """The control of the traces: a flash call with fp32 inputs (which only the meta kernel would
     take) fails the conventions."""
