@@ -12,12 +12,17 @@ conventions written down in PyTorch's sources and issues:
   ``Sq != Sk``; LSE ``[B, H, Sq]`` fp32; outputs laid out ``[B, S, H, D]``.
 * memory-efficient: fp16/bf16/fp32; as many KV heads as query heads (no GQA); head sizes multiples
   of 8 (16-bit) or 4 (fp32); a bias in the queries' dtype, 4-D ``[B, H, Sq, Sk]`` (broadcast as
-  stride 0), last dim contiguous and every other stride a multiple of 16 bytes; LSE
-  ``[B, H, ceil(Sq/32)*32]`` fp32 whose padded tail is **NaN** here (unwritten on a GPU: reading it
-  is a bug, and NaN makes it show); backward takes that padded LSE.
+  stride 0), last dim contiguous and every other stride a multiple of 16 bytes; ``is_causal``
+  aligned top-left; the logits scaled by log2(e) in fp32, so a fill near ``finfo.min`` overflows
+  to ``-inf`` (a row of fill values alone is a row with no key); LSE ``[B, H, ceil(Sq/32)*32]``
+  fp32 whose padded tail is **NaN** here (``+inf`` on a GPU: reading it is a bug, and NaN makes it
+  show); backward takes that padded LSE, and in 16-bit reads ``out`` and ``grad_out`` as laid out
+  ``[B, S, H, D]`` whatever their strides (it computes the rows' ``delta`` from them with the row
+  stride ``H * D``): other layouts are refused here.
 * both: rows whose every key is masked give **NaN** here (a kernel's choice on a GPU: the caller
   must not depend on it); backward reads the ``out`` and ``lse`` it is given (the rows' final
-  values over every key, as a ring's merged ones), not a recomputed softmax.
+  values over every key, as a ring's merged ones), not a recomputed softmax; the LSE contiguous,
+  ``out`` and ``grad_out`` contiguous in their last dim.
 
 :func:`check_flash_args` / :func:`check_efficient_args` are the same conventions as checks, used
 on fake CUDA tensors too (``tests/test_kernels.py``' traces at real sizes).
@@ -86,22 +91,38 @@ def check_efficient_args(q, k, v, bias, lse=None):
                  f"memory-efficient attention: logsumexp must be fp32 {list(want)}, got {lse.dtype} {list(lse.shape)}")
 
 
-def _scores(q, k, scale, bias=None, causal=False):
-    """fp64 logits ``[B, Hq, Sq, Sk]`` (KV heads repeated for grouped queries)."""
+def check_efficient_backward_layouts(out, grad_out):
+    """In 16-bit the memory-efficient backward computes ``delta = rowsum(dO * O)`` itself, reading
+    the rows of ``out`` and ``grad_out`` ``H * D`` apart: they must be laid out ``[B, S, H, D]``."""
+    if out.dtype not in HALF:
+        return
+    for name, x in (("out", out), ("grad_out", grad_out)):
+        B, H, S, D = x.shape
+        _require(x.stride(-1) == 1 and (H == 1 or x.stride(1) == D) and (S == 1 or x.stride(2) == H * D),
+                 f"memory-efficient backward: {name} must be laid out [B, S, H, D] (rows H*D apart), strides {x.stride()}")
+
+
+def _scores(q, k, scale, bias=None, causal=None, log2_overflow=False):
+    """fp64 logits ``[B, Hq, Sq, Sk]`` (KV heads repeated for grouped queries); ``causal``:
+    ``"bottom-right"`` (flash: query i sees keys j <= i + Sk - Sq) or ``"top-left"`` (j <= i);
+    ``log2_overflow``: logits whose fp32 value times log2(e) overflows are ``-inf`` (the
+    memory-efficient kernel's softmax in base 2)."""
     r = q.shape[1] // k.shape[1]
     kk = k.double().repeat_interleave(r, 1)
     s = q.double() @ kk.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
     if bias is not None:
         s = s + bias.double()
-    if causal:  # bottom-right: query i sees keys j <= i + (Sk - Sq)
+    if log2_overflow:
+        s = s.masked_fill((s.float() * math.log2(math.e)).isinf(), -math.inf)
+    if causal:
         Sq, Sk = s.shape[-2:]
-        keep = torch.ones(Sq, Sk, dtype=torch.bool).tril(Sk - Sq)
+        keep = torch.ones(Sq, Sk, dtype=torch.bool).tril(Sk - Sq if causal == "bottom-right" else 0)
         s = s.masked_fill(~keep, -math.inf)
     return s
 
 
-def _forward(q, k, v, scale, bias, causal):
-    s = _scores(q, k, scale, bias, causal)
+def _forward(q, k, v, scale, bias, causal, log2_overflow=False):
+    s = _scores(q, k, scale, bias, causal, log2_overflow)
     lse = torch.logsumexp(s, -1)  # [B, Hq, Sq]; -inf on rows with no key
     p = torch.softmax(s, -1)  # normalised by its sum (an online softmax's m and l apart); NaN on rows with no key
     r = q.shape[1] // k.shape[1]
@@ -111,10 +132,10 @@ def _forward(q, k, v, scale, bias, causal):
     return laid, lse
 
 
-def _backward(grad_out, q, k, v, out, lse, scale, bias, causal):
+def _backward(grad_out, q, k, v, out, lse, scale, bias, causal, log2_overflow=False):
     """The fused kernels' backward: ``p = exp(s - lse)`` with the LSE given, ``delta = rowsum(dO * O)``
     with the output given."""
-    s = _scores(q, k, scale, bias, causal)
+    s = _scores(q, k, scale, bias, causal, log2_overflow)
     p = torch.exp(s - lse.double()[..., None])
     r = q.shape[1] // k.shape[1]
     do = grad_out.double()
@@ -132,7 +153,7 @@ def _backward(grad_out, q, k, v, out, lse, scale, bias, causal):
 def flash_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     check_flash_args(query, key, value)
     _require(dropout_p == 0.0, "emulated without dropout")
-    out, lse = _forward(query, key, value, scale, None, is_causal)
+    out, lse = _forward(query, key, value, scale, None, "bottom-right" if is_causal else None)
     rng, unused = torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64)
     return out, lse.float(), None, None, query.shape[2], key.shape[2], rng, unused, torch.empty(0, dtype=query.dtype)
 
@@ -141,13 +162,15 @@ def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_s
                    philox_seed, philox_offset, *, scale=None):
     check_flash_args(query, key, value, logsumexp)
     _require(grad_out.shape == out.shape and out.shape[:3] == query.shape[:3], "flash backward: grad_out/out shapes")
-    return tuple(_backward(grad_out, query, key, value, out, logsumexp, scale, None, is_causal)[:3])
+    _require(logsumexp.is_contiguous(), "flash backward: logsumexp must be contiguous")
+    _require(out.stride(-1) == 1 and grad_out.stride(-1) == 1, "flash backward: out and grad_out contiguous in their last dim")
+    return tuple(_backward(grad_out, query, key, value, out, logsumexp, scale, None, "bottom-right" if is_causal else None)[:3])
 
 
 def efficient_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
     check_efficient_args(query, key, value, attn_bias)
     _require(dropout_p == 0.0, "emulated without dropout")
-    out, lse = _forward(query, key, value, scale, attn_bias, is_causal)
+    out, lse = _forward(query, key, value, scale, attn_bias, "top-left" if is_causal else None, log2_overflow=True)
     B, H, Sq = lse.shape
     if compute_log_sumexp:
         padded = torch.full((B, H, -(-Sq // 32) * 32), math.nan, dtype=torch.float32)  # the tail: unwritten on a GPU
@@ -161,7 +184,9 @@ def efficient_backward(grad_out_, query, key, value, attn_bias, out, logsumexp, 
                        grad_input_mask, is_causal=False, *, scale=None):
     bias = attn_bias if attn_bias is not None and attn_bias.numel() else None
     check_efficient_args(query, key, value, bias, logsumexp)
-    dq, dk, dv, ds = _backward(grad_out_, query, key, value, out, logsumexp[..., : query.shape[2]], scale, bias, is_causal)
+    check_efficient_backward_layouts(out, grad_out_)
+    dq, dk, dv, ds = _backward(grad_out_, query, key, value, out, logsumexp[..., : query.shape[2]], scale, bias,
+                               "top-left" if is_causal else None, log2_overflow=True)
     grad_bias = ds.to(bias.dtype) if bias is not None and grad_input_mask[3] else None
     return dq, dk, dv, grad_bias
 

@@ -14,7 +14,7 @@ from test_tiled_attention import dense
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autosp.ops import kernels
+from autosp.ops import kernels, programs
 from autosp.ops.tiled_attention import attend
 
 S = 37
@@ -175,7 +175,7 @@ def test_an_unaligned_bias_is_caught(monkeypatch):
     text, leaves, q, k, v = _documents_fp32()
     with kernels.kernel_rows("cuda"):
         attend(q, k, v, leaves, text, 64)  # one tile of 37 x 37: a bias of 37 columns
-        monkeypatch.setattr(kernels, "_aligned_bias", lambda bias, shape: bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).contiguous().expand(shape))
+        monkeypatch.setattr(kernels, "_aligned_bias", lambda bias: bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).contiguous())
         with pytest.raises(cuda_emulation.ConventionError, match="not correctly aligned"):
             attend(q, k, v, leaves, text, 64)
 
@@ -189,6 +189,41 @@ def test_grouped_queries_on_the_efficient_kernel_are_caught(monkeypatch):
         monkeypatch.setattr(kernels, "_group", lambda x, j, kv_heads: x)
         with pytest.raises(cuda_emulation.ConventionError, match="no GQA"):
             attend(q, k, v, leaves, text, 8)
+
+
+def test_a_16_bit_backward_with_out_in_another_layout_is_caught(monkeypatch):
+    """The memory-efficient backward in 16-bit reads ``out`` and ``grad_out`` with the row stride
+    ``H * D`` of a ``[B, S, H, D]`` layout whatever their strides: the table's rows hand them over
+    so laid out (with 2 KV heads, one group's rows of a plain contiguous copy would be misread);
+    a contiguous ``[B, H, S, D]`` copy is refused."""
+    text, leaves = _causal_program(torch.bfloat16, docs=True, padded=True)
+    q, k, v = _qkv(torch.bfloat16, 4, 2)
+    with kernels.kernel_rows("cuda"):
+        out = attend(q, k, v, leaves, text, 8)
+        torch.autograd.grad(out.float().sum(), (q, k, v))
+        monkeypatch.setattr(kernels, "_bshd", kernels._dense)
+        out = attend(q, k, v, leaves, text, 8)
+        with pytest.raises(cuda_emulation.ConventionError, match=r"laid out \[B, S, H, D\]"):
+            torch.autograd.grad(out.float().sum(), (q, k, v))
+
+
+def test_a_row_of_fill_values_alone_in_a_block_is_caught(monkeypatch):
+    """Under a finite fill (``finfo.min``, Hugging Face's eager masks) the memory-efficient kernel's
+    base-2 softmax overflows a row whose keys in a block are all filled to ``-inf``: NaN. Such a
+    row has keys in other blocks (left padding of 5, tiles of 4): the table's rows count it as
+    having none here and equal dense attention; counting finite fill values as keys lets the NaN
+    through."""
+    pad = torch.ones(2, S, dtype=torch.bool)
+    pad[0, :5] = False
+    text, leaves = programs.padded_with_finite_fill(S, pad, 0.25, torch.float32)
+    q, k, v = _qkv(torch.float32, 4, 2)
+    ref = _reference("keyless", q, k, v)[0]
+    with kernels.kernel_rows("cuda"):
+        good = attend(q, k, v, leaves, text, 4)
+        monkeypatch.setattr(kernels, "_rows_with_keys", lambda bias: (bias > -math.inf).any(-1))
+        bad = attend(q, k, v, leaves, text, 4)
+    assert (good.double() - ref).abs().max() < 1e-5
+    assert not bool(torch.isfinite(bad).all())
 
 
 # ------------------------------------------------------------------ fake-CUDA traces at real sizes
@@ -210,6 +245,7 @@ class ConventionChecks(TorchDispatchMode):
             cuda_emulation.check_efficient_args(*args[:4])
         elif func is cuda_emulation.EFFICIENT_BACKWARD:
             cuda_emulation.check_efficient_args(*args[1:5], args[6])
+            cuda_emulation.check_efficient_backward_layouts(args[5], args[0])
         if func in (cuda_emulation.FLASH, cuda_emulation.FLASH_BACKWARD, cuda_emulation.EFFICIENT, cuda_emulation.EFFICIENT_BACKWARD):
             self.calls.append(func.__name__)
         return func(*args, **kwargs)
@@ -219,20 +255,21 @@ class ConventionChecks(TorchDispatchMode):
 B8, HQ8, HK8, D8, S8 = 1, 4, 1, 128, 131072
 
 
-@pytest.mark.parametrize("case,kernel,dtype,rows,keys", [
-    ("causal", "cuda_flash", torch.bfloat16, S8, S8),  # (a) the whole sequence, exactly causal
-    ("causal", "cuda_efficient", torch.float32, S8, S8),  # (a) in fp32 (f)
-    ("block", "cuda_flash", torch.bfloat16, 1024, 64 * 1024),  # (b) a tile's rows over a run of bias-free tiles
-    ("block", "cuda_flash", torch.bfloat16, S8 // 4, S8 // 4),  # (b) a ring step's chunk against another (ring=2)
-    ("block", "cuda_efficient", torch.float32, S8 // 4, S8 // 4),
-    ("bias", "cuda_efficient", torch.bfloat16, 1024, 1024),  # (c) a tile with its bias (e: one call per query head group)
-    ("bias", "cuda_efficient", torch.float32, 1000, 1000),  # (c) a last, short tile (rows not a multiple of 32 or 8)
+@pytest.mark.parametrize("case,kernel,dtype,rows,keys,kv", [
+    ("causal", "cuda_flash", torch.bfloat16, S8, S8, 1),  # (a) the whole sequence, exactly causal
+    ("causal", "cuda_efficient", torch.float32, S8, S8, 1),  # (a) in fp32 (f)
+    ("block", "cuda_flash", torch.bfloat16, 1024, 64 * 1024, 1),  # (b) a tile's rows over a run of bias-free tiles
+    ("block", "cuda_flash", torch.bfloat16, S8 // 4, S8 // 4, 1),  # (b) a ring step's chunk against another (ring=2)
+    ("block", "cuda_efficient", torch.float32, S8 // 4, S8 // 4, 1),
+    ("bias", "cuda_efficient", torch.bfloat16, 1024, 1024, 1),  # (c) a tile with its bias (e: one call per query head group)
+    ("bias", "cuda_efficient", torch.bfloat16, 1024, 1024, 2),  # (c, e) sp=4: 8 query heads over 2 KV heads
+    ("bias", "cuda_efficient", torch.float32, 1000, 1000, 1),  # (c) a last, short tile (rows not a multiple of 32 or 8)
 ])
-def test_fake_cuda_traces_at_8b_sizes(case, kernel, dtype, rows, keys):
+def test_fake_cuda_traces_at_8b_sizes(case, kernel, dtype, rows, keys, kv):
     """Every fused row's forward and backward on fake CUDA tensors of Llama-3.1-8B's sizes at
-    131,072 tokens (a rank of sp=8: 4 query heads, 1 KV head of 128), laid out as the SP pass's
-    exchange hands them: each call's shapes, dtypes and strides pass the op's conventions and its
-    meta kernel, and the results have the table's convention."""
+    131,072 tokens (a rank of sp=8: 4 query heads, 1 KV head of 128; of sp=4: 8 over 2), laid out
+    as the SP pass's exchange hands them: each call's shapes, dtypes and strides pass the op's
+    conventions and its meta kernel, and the results have the table's convention."""
     torch._C._ensureCUDADeviceGuardSet()
     checks = ConventionChecks()
     with FakeTensorMode(), checks:
@@ -241,15 +278,17 @@ def test_fake_cuda_traces_at_8b_sizes(case, kernel, dtype, rows, keys):
         def heads_inside(h, n):
             return torch.empty(B8, n, h, D8, dtype=dtype, device=dev).transpose(1, 2)
 
-        q, k, v = heads_inside(HQ8, rows), heads_inside(HK8, keys), heads_inside(HK8, keys)
+        hq = HQ8 * kv // HK8
+        q, k, v = heads_inside(hq, rows), heads_inside(kv, keys), heads_inside(kv, keys)
         bias = torch.zeros(B8, 1, rows, keys, dtype=dtype, device=dev) if case == "bias" else None
         out, lse = kernels.forward(case, kernel, q, k, v, bias, 1 / math.sqrt(D8))
-        assert tuple(out.shape) == (B8, HQ8, rows, D8) and out.dtype == dtype
-        assert tuple(lse.shape) == (B8, HQ8, rows) and lse.dtype == torch.float32
-        dq, dk, dv = kernels.backward(case, kernel, torch.empty_like(out), q, k, v, bias, out, lse, 1 / math.sqrt(D8))
+        assert tuple(out.shape) == (B8, hq, rows, D8) and out.dtype == dtype
+        assert tuple(lse.shape) == (B8, hq, rows) and lse.dtype == torch.float32
+        grad = torch.empty(B8, rows, hq, D8, dtype=dtype, device=dev).transpose(1, 2)  # as the exchange's backward hands it
+        dq, dk, dv = kernels.backward(case, kernel, grad, q, k, v, bias, out, lse, 1 / math.sqrt(D8))
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dk.dtype == dtype
     forward = "_scaled_dot_product_flash_attention" if kernel == "cuda_flash" else "_scaled_dot_product_efficient_attention"
-    calls = HQ8 // HK8 if kernel == "cuda_efficient" else 1
+    calls = hq // kv if kernel == "cuda_efficient" else 1
     assert checks.calls == [f"{forward}.default"] * calls + [f"{forward}_backward.default"] * calls
 
 

@@ -42,6 +42,8 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from autosp.ops.score_program import MASKED
+
 __all__ = [
     "Kernel", "Row", "KERNELS", "ROWS", "CASES", "choose", "count", "forward", "backward", "rows_device", "kernel_rows", "KERNEL_COUNTS",
     "HOST_READS", "to_host", "ROWS_ENV",
@@ -88,7 +90,8 @@ KERNELS = {
     "cuda_flash": Kernel(
         "cuda_flash", "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_flash_attention_backward",
         "[B, H, Sq] fp32, natural log", "native", "none (is_causal only; with Sq != Sk it aligns bottom-right, never used so)",
-        "fp16/bf16; q, k, v of one head size, a multiple of 8, at most 256",
+        "fp16/bf16 on compute capability 8.0 or newer; q, k, v of one head size, a multiple of 8, at most 256 (past 192: 8.0 "
+        "or 9.0)",
     ),
     "cuda_efficient": Kernel(
         "cuda_efficient", "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_efficient_attention_backward",
@@ -96,7 +99,8 @@ KERNELS = {
         "none: one call per query head of each KV head (q[:, j::Hq/Hk] against k, v), dK and dV summed",
         "[B, Hq, Sq, Sk] additive in the queries' dtype, last dim contiguous, other strides multiples of 16 bytes "
         "(allocated with the last dim padded to a multiple of 8, then narrowed; broadcast dims expanded, stride 0)",
-        "fp16/bf16/fp32; head sizes multiples of 8 (16-bit) or 4 (fp32); values may have another head size",
+        "fp16/bf16/fp32 (bf16 on 8.0 or newer); head sizes multiples of 8 (16-bit) or 4 (fp32); values may have another "
+        "head size; backward reads out and grad_out as laid out [B, S, H, D] (handed over so); not on ROCm",
     ),
     "tiles": Kernel(
         "tiles", "PyTorch ops per tile (autosp.ops.tile_kernels: the score program interpreted)", "the same, each tile recomputed",
@@ -205,20 +209,35 @@ def unpack_bytes(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Ten
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability; for CPU tensors on the CUDA rows (the tests) an
+    H100's, the GPU the table is written for."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
+
+
 def _fits(kernel: str, q: torch.Tensor, v: torch.Tensor) -> Optional[str]:
-    """Why ``kernel`` cannot take these inputs, or ``None`` when it can."""
+    """Why ``kernel`` cannot take these inputs on their device, or ``None`` when it can."""
     d, dv, dtype = q.shape[-1], v.shape[-1], q.dtype
     if kernel == "cpu_flash":
         return None if d == dv else f"values' head size {dv} differs from the queries' {d}"
+    if kernel in ("cuda_flash", "cuda_efficient") and torch.version.hip is not None:
+        return "ROCm (its fused kernels' conventions differ - an unpadded log-sum-exp - and are not covered)"
+    cap = _capability(q.device)
     if kernel == "cuda_flash":
         if dtype not in _HALF:
             return f"{dtype} (flash takes fp16/bf16)"
+        if cap < (8, 0):
+            return f"compute capability {cap} (flash needs 8.0 or newer)"
         if d != dv or d % 8 or d > 256:
             return f"head sizes {d}/{dv} (flash: one size, a multiple of 8, at most 256)"
+        if d > 192 and cap not in ((8, 0), (9, 0)):
+            return f"head size {d} on compute capability {cap} (flash's backward past 192 needs 8.0 or 9.0)"
         return None
     if kernel == "cuda_efficient":
         if dtype not in (*_HALF, torch.float32):
             return f"{dtype} (the memory-efficient kernel takes fp16/bf16/fp32)"
+        if dtype == torch.bfloat16 and cap < (8, 0):
+            return f"bf16 on compute capability {cap} (needs 8.0 or newer)"
         align = 8 if dtype in _HALF else 4
         if d % align or dv % align:
             return f"head sizes {d}/{dv} (the memory-efficient kernel: multiples of {align} in {dtype})"
@@ -261,13 +280,13 @@ def count(case: str, kernel: str) -> None:
 
 
 # --------------------------------------------------------------------------- running
-def _aligned_bias(bias: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """``bias`` as the memory-efficient kernel takes it: ``shape`` ``[B, H, Sq, Sk]`` (broadcast
-    dims expanded, stride 0), last dim contiguous, every other stride a multiple of 16 bytes
-    (the rows padded to a multiple of 8 columns, then narrowed)."""
+def _aligned_bias(bias: torch.Tensor) -> torch.Tensor:
+    """``bias`` (4-D after leading dims of 1) as the memory-efficient kernel takes it: last dim
+    contiguous, every other stride a multiple of 16 bytes - the rows padded to a multiple of 8
+    columns, then narrowed - to be expanded to ``[B, H, Sq, Sk]`` (stride 0 where it broadcasts)."""
     bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
     sk = bias.shape[-1]
-    return F.pad(bias, (0, -(-sk // 8) * 8 - sk)).narrow(-1, 0, sk).expand(shape)
+    return F.pad(bias, (0, -(-sk // 8) * 8 - sk)).narrow(-1, 0, sk)
 
 
 def _rng(q: torch.Tensor, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,14 +319,26 @@ def _ungroup(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(parts, dim=2).flatten(1, 2)
 
 
+def _rows_with_keys(bias: torch.Tensor) -> torch.Tensor:
+    """Per row of a block, whether its bias leaves any key unmasked (above :data:`MASKED`)."""
+    return (bias > MASKED).any(-1)
+
+
+def _bshd(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, H, S, D]`` laid out as ``[B, S, H, D]`` (a transposed view of a contiguous
+    tensor): the memory-efficient backward reads its ``out`` and ``grad_out`` rows with the stride
+    ``H * D`` whatever their strides say (``o_strideM`` is not set from the tensor)."""
+    t = x.transpose(1, 2)
+    return (t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)).transpose(1, 2)
+
+
 def _dense(x: torch.Tensor) -> torch.Tensor:
     """``x`` contiguous (a clone: ``contiguous()`` copies, which fake CUDA tensors of a CPU build refuse)."""
     return x if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
 
 
 def _head_bias(bias: torch.Tensor, j: int, kv_heads: int, heads: int) -> torch.Tensor:
-    """The bias of query heads :func:`_group` ``j`` (a bias broadcast over heads as it is)."""
-    bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    """The bias (4-D) of query heads :func:`_group` ``j`` (a bias broadcast over heads as it is)."""
     return _group(bias, j, kv_heads) if bias.shape[1] == heads else bias
 
 
@@ -329,8 +360,9 @@ def forward(
         B, Hq, Sq, _ = q.shape
         Hk = k.shape[1]
         outs, lses = [], []
+        padded = None if bias is None else _aligned_bias(bias)
         for j in range(Hq // Hk):
-            bj = None if bias is None else _aligned_bias(_head_bias(bias, j, Hk, Hq), (B, Hk, Sq, k.shape[2]))
+            bj = None if padded is None else _head_bias(padded, j, Hk, Hq).expand(B, Hk, Sq, k.shape[2])
             o, l = aten._scaled_dot_product_efficient_attention.default(_group(q, j, Hk), k, v, bj, True, 0.0, causal, scale=scale)[:2]
             outs.append(o)
             lses.append(_efficient_lse(l, Sq))
@@ -339,7 +371,11 @@ def forward(
         raise ValueError(f"kernel {kernel!r} is not a fused kernel")
     lse = lse.to(_lse_dtype(q))
     if bias is not None:  # rows with no key in this block: nothing, whatever the kernel made of them
-        keyed = (bias > -math.inf).any(-1).expand(lse.shape)
+        # (under a finite fill too: the memory-efficient kernel scales the logits by log2(e) in fp32,
+        # so a fill near finfo.min overflows to -inf and such a row comes back NaN; its fill values
+        # weigh nothing against the keys the row has in other blocks, and a row with none anywhere
+        # is the keyless case, which runs in the tiles)
+        keyed = _rows_with_keys(bias).expand(lse.shape)
         lse = torch.where(keyed, lse, -math.inf)
         out = torch.where(keyed.unsqueeze(-1), out, 0.0)
     return out, lse
@@ -369,11 +405,12 @@ def backward(
         Hk = k.shape[1]
         seed, offset = _rng(q, kernel)
         padded = F.pad(lse, (0, -(-Sq // 32) * 32 - Sq))  # the kernel's LSE layout: rows padded to 32
+        aligned = None if bias is None else _aligned_bias(bias)
         dqs, dk, dv = [], 0, 0
         for j in range(Hq // Hk):
-            bj = None if bias is None else _aligned_bias(_head_bias(bias, j, Hk, Hq), (B, Hk, Sq, k.shape[2]))
+            bj = None if aligned is None else _head_bias(aligned, j, Hk, Hq).expand(B, Hk, Sq, k.shape[2])
             gq, gk, gv, _ = aten._scaled_dot_product_efficient_attention_backward.default(
-                _dense(_group(grad_out, j, Hk)), _group(q, j, Hk), k, v, bj, _dense(_group(out, j, Hk)), _dense(_group(padded, j, Hk)),
+                _bshd(_group(grad_out, j, Hk)), _group(q, j, Hk), k, v, bj, _bshd(_group(out, j, Hk)), _dense(_group(padded, j, Hk)),
                 seed, offset, 0.0, [True, True, True, False], causal, scale=scale,
             )
             dqs.append(gq)
