@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
+import sympy
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -132,6 +134,16 @@ def merge_collective_buckets(gm: fx.GraphModule, gather_buckets: list, scatter_b
         merge_reduce_scatter(gm, scatter_buckets)
     # a merged collective sits where the bucket's last one was: move the earlier ones' users after it
     stable_topological_sort(gm.graph)
+
+
+def provably_equal(size: torch.SymInt, expr: Any) -> bool:
+    """Whether the guards of ``size``'s shape environment prove ``size == expr`` - the static
+    evaluation ``statically_known_true`` makes of a SymBool, here of a sympy expression (ShapeEnv's
+    ``_maybe_evaluate_static``, in torch 2.9-2.15 under this name); ``False`` when it cannot tell."""
+    try:
+        return bool(size.node.shape_env._maybe_evaluate_static(sympy.Eq(size.node.expr, expr)))
+    except Exception:
+        return False
 
 
 def dense_or_false(tensor: torch.Tensor) -> bool:

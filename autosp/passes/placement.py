@@ -26,6 +26,7 @@ local. Shapes are read from the *global* fake tensors Dynamo recorded in ``node.
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
@@ -34,6 +35,7 @@ import torch
 import torch.fx as fx
 from torch.utils._sympy.functions import FloorDiv
 
+from autosp._compat import provably_equal
 from autosp.layout import chunk_size
 
 __all__ = ["Replicate", "REPLICATE", "RankLocal", "RANK_LOCAL", "Shard", "SizeEmitter", "shape_exprs", "is_polynomial_quotient", "is_tensor", "norm_dim"]
@@ -121,8 +123,34 @@ def norm_dim(dim: int, ndim: int) -> int:
 
 
 def shape_exprs(t: torch.Tensor) -> list[sympy.Expr]:
-    """Global sizes of a fake tensor as sympy expressions."""
-    return [d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(int(d)) for d in t.shape]
+    """Global sizes of a fake tensor as sympy expressions, simplified by what the graph's guards
+    established (a sequence padded to a multiple of 16 where the length is known to be one: its
+    own length, ``Mod(s, 16)`` being 0)."""
+    return [_simplified(d) if isinstance(d, torch.SymInt) else sympy.Integer(int(d)) for d in t.shape]
+
+
+def _simplified(d: torch.SymInt) -> sympy.Expr:
+    """A size that is not a polynomial of one symbol but that the guards prove equal to it (a
+    sequence padded to a multiple of a chunk where the length is one: its padding is 0) as that
+    symbol, else as it is."""
+    expr = d.node.expr
+    if expr.is_Symbol or expr.is_Integer or len(expr.free_symbols) != 1:
+        return expr
+    (sym,) = expr.free_symbols
+    if expr.is_polynomial(sym):
+        return expr
+    return _proved_symbol(d, expr, sym)
+
+
+#: per shape environment, what :func:`_proved_symbol` found (its guards are final when the pass runs)
+_PROVED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _proved_symbol(d: torch.SymInt, expr: sympy.Expr, sym: sympy.Symbol) -> sympy.Expr:
+    known = _PROVED.setdefault(d.node.shape_env, {})
+    if (expr, sym) not in known:
+        known[(expr, sym)] = sym if provably_equal(d, sym) else expr
+    return known[(expr, sym)]
 
 
 def is_polynomial_quotient(num: sympy.Expr, den: sympy.Expr) -> sympy.Expr | None:
