@@ -65,7 +65,7 @@ def _errors(run, sp_size, ref_losses, ref_grads, ref_final):
 
 @pytest.mark.parametrize(
     "kind,devices,sp_size,clip,in_configure_model",
-    [("gpt", 2, 2, CLIP, False), pytest.param("llama", 4, 2, None, True, marks=pytest.mark.slow)],  # both in the default tier
+    [("gpt", 2, 2, CLIP, False), pytest.param("llama", 4, 2, None, True, marks=[pytest.mark.slow, pytest.mark.full])],
     ids=["gpt-sp2-clipped", "llama-dp2xsp2-configure_model"],
 )
 def test_sharded_matches_single_device(tmp_path, kind, devices, sp_size, clip, in_configure_model):

@@ -51,6 +51,7 @@ def _step(model):
     return lambda ids, labels: model(input_ids=ids, labels=labels, use_cache=False).loss
 
 
+@pytest.mark.full
 def test_a_length_the_guards_prove_equal_to_the_sequence_is_followed(monkeypatch):
     """Bamba at 64 tokens, traced as rank 0 of sp=2: Mamba-2 pads the sequence to a multiple of its
     chunk (16) and cuts it back only when the padding is not 0, so at 64 the scan's output is as
@@ -69,7 +70,7 @@ def test_a_length_the_guards_prove_equal_to_the_sequence_is_followed(monkeypatch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,seq", [("falcon_h1", 64), pytest.param("bamba", 61, marks=pytest.mark.full)])
+@pytest.mark.parametrize("family,seq", [pytest.param("falcon_h1", 64, marks=pytest.mark.full), ("bamba", 61)])
 def test_hybrids_equal_one_device_with_their_mixers_replicated(tmp_path, family, seq):
     """Falcon-H1 at 64 tokens (it stopped with an internal error there) and Bamba at 61 (padded to
     64 inside the scan), sp=2: loss and gradients equal one device, the naive sharding does not;

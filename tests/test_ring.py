@@ -92,12 +92,13 @@ def test_mask_families_on_a_ring(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_configuration_on_a_ring(tmp_path):
+@pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.full)], ids=["sp2", "dp2xsp2"])
+def test_default_configuration_on_a_ring(tmp_path, devices):
     """What users run (inductor, SAC) with a ring level: a Hugging Face Llama with packed documents,
-    dp=2 x sp=2 with ``ulysses=1 x ring=2``."""
+    ``ulysses=1 x ring=2``, at sp=2 and at dp=2 x sp=2."""
     factory = hf_factory("llama", seed=8)
-    run = run_fit(tmp_path, FnModule(factory, packed_call, log_loss=False), ZooData(8, 29), devices=4, sp_size=2, backend="inductor",
-                  sp_layout=(1, 2))
+    run = run_fit(tmp_path, FnModule(factory, packed_call, log_loss=False), ZooData(4 * devices // 2, 29), devices=devices, sp_size=2,
+                  backend="inductor", sp_layout=(1, 2))
     loss_err, grad_err, naive = check_against_references(run, 2, factory, packed_call)
     print(f"inductor + SAC, ring=2: loss {loss_err:.2e} grad {grad_err:.2e} (naive: grad {naive:.2e})")
     (graph,) = run.ranks[0]["graphs"]["training_step"]
