@@ -390,6 +390,7 @@ def run_fit(
     activation_offload: Any = "auto",
     strategy: Any = None,
     sp_layout: Any = None,
+    strict: bool = False,
 ) -> Run:
     """Fit on ``devices`` CPU processes (started by ``start_method``); ``sp_size=None`` means
     plain DDP (``ddp_unshared``: with :class:`Unshared`; ``distributed_sampler=False``: every
@@ -407,7 +408,7 @@ def run_fit(
         strategy = AutoSPStrategy(
             sp_size=sp_size, compile_backend=backend, start_method=start_method, sac=sac, fsdp=fsdp, chunked_loss=chunked_loss,
             pretrained=pretrained, tiled_attention=tiled_attention, tiled_mlp=tiled_mlp,
-            activation_offload=activation_offload, sp_layout=sp_layout,
+            activation_offload=activation_offload, sp_layout=sp_layout, strict=strict,
         )
     trainer = L.Trainer(
         accelerator="cpu",

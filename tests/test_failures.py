@@ -120,6 +120,7 @@ def test_fork_launch_in_a_notebook(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_forkserver_launch_gives_each_rank_its_own_parameters(tmp_path):
     """``start_method="forkserver"`` on the CPU: torch's multiprocessing hands the ranks the
     module's tensors in shared memory. AutoSP gives each rank its own copy, so the run equals one

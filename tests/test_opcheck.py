@@ -188,6 +188,9 @@ def _collective_ops_rank(rank: int, world: int) -> dict:
     check("group_ratio_backward", ops.group_ratio_backward.default, (torch.tensor(1.0), torch.tensor([9.0, 15.0]), group, world))
     check("all_gather", ops.all_gather.default, (torch.randn(4, 3, generator=g, requires_grad=True), 1, group, world))
     check("reduce_scatter", ops.reduce_scatter.default, (torch.randn(4, 6, generator=g, requires_grad=True), 1, group, world))
+    halo = torch.randn(B, 6, 3, generator=g).transpose(1, 2).requires_grad_()  # a convolution's left context, not contiguous
+    check("seq_pass-forward", ops.seq_pass.default, (halo, True, group, world, rank))
+    check("seq_pass-backward", ops.seq_pass.default, (halo, False, group, world, rank))
     # the ring: this rank's segment of 37 positions, a mask with documents and padding, GQA
     from autosp.layout import ring_segment_length
 
@@ -210,4 +213,4 @@ def _collective_ops_rank(rank: int, world: int) -> dict:
 
 def test_collectives_and_ring_ops_agree_with_their_fake_kernels(tmp_path):
     for rank, results in enumerate(spawn(tmp_path, _collective_ops_rank, 2)):
-        assert len(results) == 15 and {k: v for k, v in results.items() if v} == {}, rank
+        assert len(results) == 17 and {k: v for k, v in results.items() if v} == {}, rank

@@ -191,6 +191,7 @@ def test_sp_groups_across_nodes(tmp_path, fsdp):
 
 # ------------------------------------------------------------------ checkpoints across layouts
 @pytest.mark.slow
+@pytest.mark.full
 def test_checkpoints_resume_from_ring_to_ulysses_and_back(tmp_path):
     """A run at ulysses=1 x ring=2 and one at ulysses=2 x ring=1 (plain Ulysses) resume from each
     other's checkpoints exactly (tests/test_checkpoints.py's interchange, weights-only control)."""

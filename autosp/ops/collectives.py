@@ -42,9 +42,10 @@ _NS = "autosp"
 
 #: bytes this process sent to other ranks so far (its own pieces excluded): ``"exchange"``, the
 #: all-to-alls around attention (Ulysses' and the ring layout's); ``"ring"``, the key/value blocks
-#: and their gradients passed around a ring (:mod:`autosp.ops.ring_attention`). Read by the
+#: and their gradients passed around a ring (:mod:`autosp.ops.ring_attention`); ``"halo"``, the
+#: left context of sequence-sharded convolutions and its gradient (:func:`seq_pass`). Read by the
 #: benchmarks and the tests.
-SENT_BYTES = {"exchange": 0, "ring": 0}
+SENT_BYTES = {"exchange": 0, "ring": 0, "halo": 0}
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
@@ -402,3 +403,43 @@ def _reduce_scatter_setup(ctx, inputs, output):
 
 all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
 reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_reduce_scatter_setup)
+
+
+# --------------------------------------------------------------------------- seq_pass
+@torch.library.custom_op(f"{_NS}::seq_pass", mutates_args=())
+def seq_pass(x: torch.Tensor, forward: bool, group_name: str, group_size: int, rank: int) -> torch.Tensor:
+    """Send ``x`` to the next rank of the group (``forward``) or to the previous one, and return
+    what the rank on the other side sent: zeros on the first rank (``forward``) or on the last.
+    Every rank's ``x`` has the same shape. A sequence-sharded causal convolution reads the last
+    positions of the previous rank's shard this way (:mod:`autosp.passes.sp_rules.convolution`);
+    its gradient goes back the other way. Bytes sent: ``x`` once, independent of the length."""
+    x = x.contiguous()
+    to = rank + 1 if forward else rank - 1
+    source = rank - 1 if forward else rank + 1
+    n = x.numel()
+    send_counts = [n if j == to else 0 for j in range(group_size)]
+    recv_counts = [n if j == source else 0 for j in range(group_size)]
+    out = torch.zeros_like(x)
+    send = x.view(-1) if 0 <= to < group_size else x.new_empty(0)
+    SENT_BYTES["halo"] += send.numel() * x.element_size()
+    recv = x.new_empty(sum(recv_counts))
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=_group(group_name))
+    if 0 <= source < group_size:
+        out.view(-1).copy_(recv)
+    return out
+
+
+@seq_pass.register_fake
+def _(x, forward, group_name, group_size, rank):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _seq_pass_backward(ctx, grad):
+    return seq_pass(grad, not ctx.forward, ctx.group_name, ctx.group_size, ctx.rank), None, None, None, None
+
+
+def _seq_pass_setup(ctx, inputs, output):
+    _, ctx.forward, ctx.group_name, ctx.group_size, ctx.rank = inputs
+
+
+seq_pass.register_autograd(_seq_pass_backward, setup_context=_seq_pass_setup)

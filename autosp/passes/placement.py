@@ -38,7 +38,7 @@ from torch.utils._sympy.functions import FloorDiv
 from autosp._compat import provably_equal
 from autosp.layout import chunk_size
 
-__all__ = ["Replicate", "REPLICATE", "RankLocal", "RANK_LOCAL", "Shard", "SizeEmitter", "shape_exprs", "is_polynomial_quotient", "is_tensor", "norm_dim"]
+__all__ = ["Replicate", "REPLICATE", "RankLocal", "RANK_LOCAL", "Shard", "SizeEmitter", "shape_exprs", "size_expr", "is_polynomial_quotient", "is_tensor", "norm_dim"]
 
 
 class _Singleton:
@@ -126,7 +126,12 @@ def shape_exprs(t: torch.Tensor) -> list[sympy.Expr]:
     """Global sizes of a fake tensor as sympy expressions, simplified by what the graph's guards
     established (a sequence padded to a multiple of 16 where the length is known to be one: its
     own length, ``Mod(s, 16)`` being 0)."""
-    return [_simplified(d) if isinstance(d, torch.SymInt) else sympy.Integer(int(d)) for d in t.shape]
+    return [size_expr(d) for d in t.shape]
+
+
+def size_expr(d: Any) -> sympy.Expr:
+    """One size (an int or a SymInt) as :func:`shape_exprs` gives it."""
+    return _simplified(d) if isinstance(d, torch.SymInt) else sympy.Integer(int(d))
 
 
 def _simplified(d: torch.SymInt) -> sympy.Expr:

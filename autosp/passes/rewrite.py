@@ -82,6 +82,8 @@ class SPPassStats:
     expert_dispatch: int = 0
     #: token-wise regions (MLPs) run over tiles of rows (:mod:`autosp.passes.tiled_mlp`)
     tiled_regions: int = 0
+    #: ``conv1d`` over the sequence run on each rank's shard with a halo (:mod:`.sp_rules.convolution`)
+    halo_convolutions: int = 0
     #: sorts of sequence-sharded rows that could not run per rank, and why (each then runs replicated)
     dispatch_rejections: list[str] = field(default_factory=list)
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from autosp.errors import AutoSPError
 from autosp.passes import runtime
-from autosp.passes.placement import REPLICATE, Shard, is_polynomial_quotient, is_tensor, norm_dim, shape_exprs
+from autosp.passes.placement import REPLICATE, Shard, is_polynomial_quotient, is_tensor, norm_dim, shape_exprs, size_expr
 from autosp.passes.sp_rules.registry import OpCall, RuleResult, op, sp_rule
 
 if TYPE_CHECKING:
@@ -288,6 +288,13 @@ def _shift(rw: "SPRewrite", x: fx.Node, shard: Shard, s: slice) -> Optional[tupl
     drops ``a`` leading positions and only the last rank ``-b`` trailing ones.
     """
     start, stop, step = s.start, s.stop, s.step
+    if isinstance(stop, fx.Node) and isinstance(rw.val(stop), torch.SymInt):
+        # ``x[..., :seq_len]`` of an axis ``k`` longer than ``seq_len`` (a padded convolution's output):
+        # the static stop ``-k``
+        cut = sympy.expand(size_expr(rw.val(stop)) - shard.length)
+        if not (cut.is_Integer and cut <= 0):
+            return None
+        stop = int(cut) or None
     if step not in (None, 1) or shard.inner != 1 or sympy.simplify(rw.shape(x)[shard.dim] - shard.length) != 0:
         return None
     if not (start is None or (isinstance(start, int) and start >= 0)) or not (
