@@ -3,8 +3,9 @@
 * Short causal convolutions (LFM2's, the one in front of every Mamba scan) run on each rank's
   shard with a halo of ``kernel - 1`` positions from the previous rank
   (:mod:`autosp.passes.sp_rules.convolution`): LFM2 runs with ``strict=True``, nothing replicated.
-* Mamba-2's chunked scan has no placement of its own yet: it runs replicated (reported as a
-  fallback; ``strict=True`` refuses it) and the model equals one device. The pass follows a
+* Mamba-2's chunked scan and Qwen3-Next's gated delta rule have no placement of their own yet:
+  they run replicated (reported as fallbacks; ``strict=True`` refuses them) and the model equals
+  one device. The pass follows a
   sequence padded to a multiple of the scan's chunk and cut back, where Dynamo's guards prove the
   padding 0 (it stopped with an internal error there)."""
 
@@ -12,15 +13,17 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from sp_harness import START_METHOD, VOCAB, FnModule, TokenData, check_against_references, compare, reference_fn, run_fit, trace_rank
+from sp_harness import START_METHOD, VOCAB, FnModule, TokenData, check_against_references, compare, reference_fn, rel_err, run_fit, trace_rank
 
 import autosp.passes.placement as placement
+import autosp.passes.sequence_parallel as sequence_parallel
 from autosp.passes.sp_rules import convolution
 
 
 def hybrid(family: str):
     """A tiny Hugging Face hybrid: LFM2 (a short convolution layer, an attention layer), Falcon-H1
-    (a Mamba-2 mixer beside attention in every layer) or Bamba (Mamba-2 layers, one attention layer)."""
+    (a Mamba-2 mixer beside attention in every layer), Bamba (Mamba-2 layers, one attention layer)
+    or Qwen3-Next (a gated delta rule layer, a gated attention layer, both with a mixture of experts)."""
     transformers = pytest.importorskip("transformers")
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa")
@@ -32,6 +35,12 @@ def hybrid(family: str):
         cls, config = transformers.FalconH1ForCausalLM, transformers.FalconH1Config(
             **common, head_dim=8, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
             mamba_chunk_size=16,
+        )
+    elif family == "qwen3_next":
+        cls, config = transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig(
+            **common, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"], num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
         )
     else:
         cls, config = transformers.BambaForCausalLM, transformers.BambaConfig(
@@ -181,3 +190,74 @@ def test_a_rank_saves_about_half_at_sp2_once_every_mixer_is_split():
         ratios[family] = saved[2] / saved[1]
     print(f"saved per rank, sp2 / sp1 at 512 tokens: {ratios}")
     assert ratios["lfm2"] <= 0.6 < ratios["bamba"]
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_the_halo_bytes_do_not_grow_with_the_length():
+    """``benchmarks/hybrid_bytes.py`` at 256 and 1024 tokens: each convolution sends ``B x channels
+    x (kernel-1)`` fp32 values forward (rank 0) and their gradient back (rank 1), the same at both
+    lengths, while the all-to-alls around attention grow 4x; the losses equal one device."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import hybrid_bytes
+
+    res = hybrid_bytes.main(["--seq-lens", "256", "1024", "--hidden", "64"])
+    short, long = res["lengths"][256], res["lengths"][1024]
+    assert short["halo"] == long["halo"] == 2 * 1 * 64 * 2 * 4  # two convolutions, batch 1, 64 channels, kernel 3
+    assert long["exchange"] == 4 * short["exchange"]
+    for r in (short, long):
+        assert abs(r["loss"] - r["reference"]) <= 1e-5 * abs(r["reference"])
+
+
+# ------------------------------------------------------------------ Qwen3-Next: a gated delta rule
+def rounding_floor(factory, seq: int) -> float:
+    """How far one device's gradients move when every parameter moves by a relative 1e-7 (fp32's
+    rounding, which a split computation's other summation order adds too), at the largest
+    relative error over the parameters: the floor of the model's worst conditioned gradient."""
+    model = factory()
+    ids = Tokens(2, seq).x
+
+    def grads():
+        model.zero_grad()
+        _step(model)(ids, ids).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    exact = grads()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + 1e-7 * torch.randn(p.shape, generator=g))
+    moved = grads()
+    return max(rel_err(moved[n], exact[n]) for n in exact)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seq", [pytest.param(61, marks=pytest.mark.full), 64])
+def test_qwen3_next_equals_one_device_with_its_gated_delta_rule_replicated(tmp_path, seq):
+    """Qwen3-Next at 61 tokens and at 64 (a multiple of the gated delta rule's chunk: its pad is 0
+    there, see ``_contiguous_before_variable_pads``), sp=2: loss and gradients equal one device, the
+    naive sharding does not. Attention and the convolution are split, the delta rule runs
+    replicated. The gradients of ``A_log`` and ``dt_bias`` are sums with heavy cancellation: moving
+    every parameter by fp32's rounding on one device moves them far more than 1e-7
+    (:func:`rounding_floor`), so the bound is 10x that floor, measured here, where it exceeds 1e-4."""
+    factory = hybrid("qwen3_next")
+    tol = max(1e-4, 10 * rounding_floor(factory, seq))
+    run = run_fit(tmp_path, FnModule(factory, hf_loss, log_loss=False), Tokens(4, seq), devices=2, sp_size=2, steps=2)
+    loss_err, grad_err, naive = check_against_references(run, 2, factory, hf_loss, tol=tol)
+    print(f"qwen3_next {seq} tokens sp2: loss {loss_err:.2e} grad {grad_err:.2e} (bound {tol:.1e}; naive: grad {naive:.2e})")
+    graphs = run.ranks[0]["graphs"]["training_step"]
+    assert sum(g.sdpa for g in graphs) == 1 and sum(g.halo_convolutions for g in graphs) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_without_a_contiguous_input_a_pad_of_zero_breaks_the_step(tmp_path, monkeypatch):
+    """The control of the test above at 64 tokens: without AutoSP's contiguous input to the pads by
+    a size of the batch, torch's own step fails inside the compiled graph (a ``view`` traced on a
+    contiguous pad result meets the strided clone torch returns for a pad of 0)."""
+    monkeypatch.setattr(sequence_parallel, "_contiguous_before_variable_pads", lambda graph: None)
+    with pytest.raises(Exception, match="view size is not compatible"):
+        run_fit(tmp_path, FnModule(hybrid("qwen3_next"), hf_loss, log_loss=False), Tokens(4, 64), devices=2, sp_size=2, steps=1)
