@@ -140,7 +140,8 @@ def conv_loss(model, batch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.full)])
+@pytest.mark.full
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_lfm2_runs_its_convolutions_on_each_ranks_shard(tmp_path, backend):
     """LFM2 at 61 tokens, sp=2, ``strict=True`` (nothing may run replicated), also in the default
     configuration (Inductor, SAC): loss and gradients equal one device, the naive sharding does
@@ -156,12 +157,13 @@ def test_lfm2_runs_its_convolutions_on_each_ranks_shard(tmp_path, backend):
 
 @pytest.mark.slow
 @pytest.mark.skipif(START_METHOD != "fork", reason="the broken halo is patched in this process: only forked ranks see it")
-def test_convolutions_with_dilation_groups_and_bias_and_a_missing_halo_is_caught(tmp_path, monkeypatch):
-    """:class:`ConvLM` at 37 tokens, sp=2, in the default configuration (Inductor, SAC) with
-    ``strict=True``: equal to one device. The control: the same rewrite with the halo replaced by
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.full)])
+def test_convolutions_with_dilation_groups_and_bias_and_a_missing_halo_is_caught(tmp_path, monkeypatch, backend):
+    """:class:`ConvLM` at 37 tokens, sp=2, ``strict=True``, also in the default configuration
+    (Inductor, SAC): equal to one device. The control: the same rewrite with the halo replaced by
     zeros (the first rank's padding everywhere) is caught."""
     run = run_fit(tmp_path, FnModule(conv_lm, conv_loss, log_loss=False), Tokens(4, 37), devices=2, sp_size=2, steps=2, strict=True,
-                  backend="inductor")
+                  backend=backend)
     loss_err, grad_err, naive = check_against_references(run, 2, conv_lm, conv_loss)
     print(f"ConvLM 37 tokens sp2: loss {loss_err:.2e} grad {grad_err:.2e} (naive: grad {naive:.2e})")
     (graph,) = run.ranks[0]["graphs"]["training_step"]
