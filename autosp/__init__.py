@@ -19,9 +19,10 @@ from autosp.mesh import sp_mesh  # noqa: E402
 from autosp.modes import FSDPConfig, Mode, Replicated, Sharded, make_mode  # noqa: E402
 from autosp.sampler import SequenceParallelSampler  # noqa: E402
 from autosp.steps import StepConfig, StepRunner  # noqa: E402
+from autosp.passes.sp_rules.mixers import Heads, PerHead, Whole, register_mixer  # noqa: E402
 
 __all__ = [
     "AutoSPError", "SPLayout", "sp_mesh", "SequenceParallelSampler", "StepConfig", "StepRunner",
-    "FSDPConfig", "Mode", "Replicated", "Sharded", "make_mode",
+    "FSDPConfig", "Mode", "Replicated", "Sharded", "make_mode", "register_mixer", "Heads", "PerHead", "Whole",
 ]
 __version__ = "0.1.0"

@@ -63,8 +63,8 @@ class CompiledStep:
 
     @property
     def sdpa_rewritten(self) -> int:
-        """Attention calls the SP pass rewrote, over every graph."""
-        return sum(g.attention for g in self.pass_stats)
+        """Attention calls and other sequence mixers the SP pass rewrote, over every graph."""
+        return sum(g.mixers for g in self.pass_stats)
 
     @property
     def all_to_alls(self) -> int:
@@ -206,7 +206,7 @@ class AutoSPBackend:
             return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
         partitioner = SACPartitioner(self.sac, offload=self.offload)
         stats = gm.meta["autosp"]
-        local = build_local_shapes(_example_values(gm), stats.seq_symbol, self.sp_size, offset=stats.seq_offset) if self.local_shapes and stats.attention else None
+        local = build_local_shapes(_example_values(gm), stats.seq_symbol, self.sp_size, offset=stats.seq_offset) if self.local_shapes and stats.mixers else None
         if local is not None:
             return self._compile_local(gm, local, partitioner)
         compiled = self._compile_aot(gm, example_inputs, partitioner)
@@ -297,12 +297,12 @@ class AutoSPBackend:
 
     @property
     def sdpa_rewritten(self) -> int:
-        return sum(g.attention for g in self.pass_stats)
+        return sum(g.mixers for g in self.pass_stats)
 
     @property
     def sp_graphs(self) -> int:
-        """Graphs compiled so far with attention rewritten (the step's model graphs)."""
-        return sum(1 for g in self.pass_stats if g.attention)
+        """Graphs compiled so far with attention or another sequence mixer rewritten (the step's model graphs)."""
+        return sum(1 for g in self.pass_stats if g.mixers)
 
     @property
     def max_shift(self) -> int:
@@ -312,7 +312,7 @@ class AutoSPBackend:
     def seq_offset(self) -> int:
         """The pass splits ``S + seq_offset`` of a batch's ``S`` positions (the model graphs'
         :attr:`~autosp.passes.rewrite.SPPassStats.seq_offset`; the smallest if they differ)."""
-        return min((g.seq_offset for g in self.pass_stats if g.attention), default=0)
+        return min((g.seq_offset for g in self.pass_stats if g.mixers), default=0)
 
 
 class _BucketPass(CustomGraphPass):

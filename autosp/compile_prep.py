@@ -36,6 +36,7 @@ import torch
 
 from autosp._compat import TRACES_CHECKPOINT_SIDE_EFFECTS
 from autosp.errors import AutoSPError
+from autosp.passes.sp_rules.mixers import register_hf_mixers
 
 __all__ = ["prepare_for_compile", "Prepared"]
 
@@ -80,6 +81,9 @@ def prepare_for_compile(module: torch.nn.Module) -> Prepared:
             "while they run compiled (the compiled step differentiates through checkpointed layers itself); they are put "
             "back at teardown.", len(prepared.undo_calls),
         )
+    mixers = register_hf_mixers(module)
+    if mixers:
+        log.debug("AutoSP: sequence mixers placed over heads: %s", ", ".join(mixers))
     try:
         from transformers import PreTrainedModel
         from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, maybe_install_capturing_hooks

@@ -222,12 +222,13 @@ class StepRunner:
         backend = self.backends[step]
         if backend.sdpa_rewritten == 0:
             raise AutoSPError(
-                f"AutoSP found no attention to parallelize in `{where}`: "
+                f"AutoSP found no attention or other sequence mixer to parallelize in `{where}`: "
                 "sequence parallelism splits attention heads across the SP group, so the model must call "
                 "`torch.nn.functional.scaled_dot_product_attention` (for Hugging Face models: "
                 "attn_implementation='sdpa') or write attention over heads, `softmax(q @ k.transpose(-2, -1) * scale "
                 "+ mask) @ v` with q, k, v laid out [B, H, S, D] (single-head [B, S, D] attention has no heads to "
-                "split; see the supported-models page for the steps allowed between the two matmuls)."
+                "split; see the supported-models page for the steps allowed between the two matmuls), or a sequence "
+                "mixer registered with autosp.register_mixer (Hugging Face's Mamba-2 and gated delta rule scans are)."
             )
         layouts = sorted({g.layout for g in backend.pass_stats if g.attention})
         if layouts and self.sp_size > 1:

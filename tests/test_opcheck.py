@@ -191,6 +191,10 @@ def _collective_ops_rank(rank: int, world: int) -> dict:
     halo = torch.randn(B, 6, 3, generator=g).transpose(1, 2).requires_grad_()  # a convolution's left context, not contiguous
     check("seq_pass-forward", ops.seq_pass.default, (halo, True, group, world, rank))
     check("seq_pass-backward", ops.seq_pass.default, (halo, False, group, world, rank))
+    mixed = torch.randn(B, local, 4, D, generator=g, requires_grad=True)  # a sequence mixer's input [B, S_r, H, D]
+    check("pack_heads", ops.pack_heads.default, (mixed, 2, 1, world))
+    channels = torch.randn(B, local, 6, generator=g).transpose(1, 2).requires_grad_()  # Mamba-1's [B, D, S_r], not contiguous
+    check("pack_heads-channels", ops.pack_heads.default, (channels, 1, 2, world))
     # the ring: this rank's segment of 37 positions, a mask with documents and padding, GQA
     from autosp.layout import ring_segment_length
 
@@ -213,4 +217,4 @@ def _collective_ops_rank(rank: int, world: int) -> dict:
 
 def test_collectives_and_ring_ops_agree_with_their_fake_kernels(tmp_path):
     for rank, results in enumerate(spawn(tmp_path, _collective_ops_rank, 2)):
-        assert len(results) == 17 and {k: v for k, v in results.items() if v} == {}, rank
+        assert len(results) == 19 and {k: v for k, v in results.items() if v} == {}, rank

@@ -443,3 +443,57 @@ def _seq_pass_setup(ctx, inputs, output):
 
 
 seq_pass.register_autograd(_seq_pass_backward, setup_context=_seq_pass_setup)
+
+
+# --------------------------------------------------------------------------- pack_heads
+def heads_order(head: int, seq: int, ndim: int) -> list[int]:
+    """``[lead.., head, seq, trail..]``: the dims other than both, before the later of them, lead."""
+    lead = [d for d in range(ndim) if d not in (head, seq) and d < max(head, seq)]
+    return [*lead, head, seq, *(d for d in range(ndim) if d > max(head, seq))]
+
+
+def heads_layout(x_shape: list, head: int, seq: int, group_size: int) -> tuple[list[int], list[int]]:
+    """``(order, send shape)`` of :func:`pack_heads` for an input of ``x_shape``."""
+    order = heads_order(head, seq, len(x_shape))
+    n_lead = order.index(head)
+    trail = math.prod(x_shape[d] for d in order[n_lead + 2 :])
+    h = x_shape[head]
+    return order, [group_size, *(x_shape[d] for d in order[:n_lead]), x_shape[seq], h // group_size, trail]
+
+
+@torch.library.custom_op(f"{_NS}::pack_heads", mutates_args=())
+def pack_heads(x: torch.Tensor, head: int, seq: int, group_size: int) -> torch.Tensor:
+    """The send buffer of an exchange from this rank's positions with every head to every position
+    with a rank's heads, for ``x`` with its heads in dim ``head`` and its positions in dim ``seq``:
+    ``[P, lead.., S_r, h/P, D]`` (``lead``: the dims before the later of the two, ``D``: those after
+    it, flattened; head group ``j`` for rank ``j``), what :func:`seq_gather` sends. Its gradient is
+    laid out as ``x`` is (contiguous), so the model's code before a sequence mixer sees gradients
+    laid out as on one device."""
+    order, shape = heads_layout(list(x.shape), head, seq, group_size)
+    n_lead = order.index(head)
+    y = x.permute(order).reshape(*(x.shape[d] for d in order[: n_lead + 2]), -1)  # [lead.., h, S_r, D]
+    y = y.unflatten(n_lead, (group_size, -1))  # [lead.., P, h/P, S_r, D]
+    y = y.permute(n_lead, *range(n_lead), n_lead + 2, n_lead + 1, n_lead + 3)  # [P, lead.., S_r, h/P, D]
+    return y.contiguous().view(shape)
+
+
+@pack_heads.register_fake
+def _(x, head, seq, group_size):
+    return x.new_empty(heads_layout(list(x.shape), head, seq, group_size)[1])
+
+
+def _pack_heads_backward(ctx, grad):
+    order = heads_order(ctx.head, ctx.seq, len(ctx.shape))
+    n_lead = order.index(ctx.head)
+    g = grad.permute(*range(1, n_lead + 1), 0, n_lead + 2, n_lead + 1, n_lead + 3)  # [lead.., P, h/P, S_r, D]
+    g = g.reshape(*(ctx.shape[d] for d in order))  # in the order of x's dims in `order`
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return g.permute(inverse).contiguous(), None, None, None
+
+
+def _pack_heads_setup(ctx, inputs, output):
+    x, ctx.head, ctx.seq, _ = inputs
+    ctx.shape = list(x.shape)
+
+
+pack_heads.register_autograd(_pack_heads_backward, setup_context=_pack_heads_setup)

@@ -7,9 +7,11 @@ with what stands between a shard and its gather. :mod:`.sac` partitions with the
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Optional
 
+import sympy
 import torch
 import torch.fx as fx
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
@@ -19,6 +21,7 @@ from autosp.passes import accounting as memory
 __all__ = [
     "forward_nodes", "gathered_input", "parameter_gathers", "repeat_of_exchange", "op_name", "recomputes",
     "is_attention", "is_collective", "is_fused_loss", "is_random", "has_tensor_output", "WAIT", "score_program_leaves",
+    "contiguous_before_variable_pads",
 ]
 
 
@@ -167,3 +170,43 @@ def forward_nodes(joint: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
         seen.add(n)
         todo.extend(n.all_input_nodes)
     return seen
+
+
+def contiguous_before_variable_pads(joint: fx.GraphModule) -> int:
+    """Feed every ``constant_pad_nd`` whose amounts are remainders of the batch's length (a sequence
+    padded to a multiple of a chunk: ``(chunk - s % chunk) % chunk``) a contiguous input (in place);
+    returns how many.
+
+    Where the amounts are all 0 at run time, torch's ``constant_pad_nd`` returns a clone that
+    keeps its input's strides, while the fake kernel the graph was traced with returns a new
+    contiguous tensor; a ``view`` traced after it then fails at run time on a non-contiguous
+    input ("view size is not compatible with input tensor's size and stride": Qwen3-Next's gated
+    delta rule at a multiple of its chunk of 64, with or without AutoSP, where
+    ``x.transpose(1, 2).to(memory_format=torch.contiguous_format)`` traces to no copy). Done on the
+    joint graph, it reaches the pads inside sequence mixers kept whole in the Dynamo graph too."""
+    pad = torch.ops.aten.constant_pad_nd.default
+    done = 0
+    for node in list(joint.graph.find_nodes(op="call_function", target=pad)):
+        x, amounts = node.args[0], node.args[1]
+        if not isinstance(amounts, (list, tuple)) or not any(_remainder(a) for a in amounts):
+            continue  # AutoSP's own pads (an uneven shard to its base chunk) are affine in the length: never 0 by surprise
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        with joint.graph.inserting_before(node):
+            copy = joint.graph.call_function(torch.ops.aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+        with val.fake_mode if hasattr(val, "fake_mode") else contextlib.nullcontext():
+            copy.meta["val"] = val.clone(memory_format=torch.contiguous_format)
+        node.args = (copy, *node.args[1:])
+        done += 1
+    if done:
+        joint.recompile()
+    return done
+
+
+def _remainder(amount: object) -> bool:
+    """Whether a pad amount is a size computed with a remainder of the batch's length (``Mod``)."""
+    val = amount.meta.get("val") if isinstance(amount, fx.Node) else None
+    if not isinstance(val, torch.SymInt):
+        return False
+    return any("Mod" in type(e).__name__ for e in sympy.preorder_traversal(val.node.expr))

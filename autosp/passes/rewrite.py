@@ -84,6 +84,10 @@ class SPPassStats:
     tiled_regions: int = 0
     #: ``conv1d`` over the sequence run on each rank's shard with a halo (:mod:`.sp_rules.convolution`)
     halo_convolutions: int = 0
+    #: sequence mixers other than attention (scans, gated delta rules) run on the rank's heads over the
+    #: whole sequence (:mod:`.sp_rules.mixers`), and the all-to-alls around them
+    sequence_mixers: int = 0
+    mixer_all_to_alls: int = 0
     #: sorts of sequence-sharded rows that could not run per rank, and why (each then runs replicated)
     dispatch_rejections: list[str] = field(default_factory=list)
 
@@ -91,6 +95,11 @@ class SPPassStats:
     def attention(self) -> int:
         """Attention calls rewritten: SDPA and hand-written."""
         return self.sdpa + self.manual_attention
+
+    @property
+    def mixers(self) -> int:
+        """Everything that mixes positions split over the SP group: attention and other sequence mixers."""
+        return self.attention + self.sequence_mixers
 
 
 class SPRewrite:

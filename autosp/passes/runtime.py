@@ -7,7 +7,7 @@ here, rather than emitting long chains of nodes, keeps the rewritten graph reada
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -173,3 +173,9 @@ def _combine(total, target, weight, ignore_index, reduction, group_name, group_s
         # ignore_index need not be a class (e.g. -100 or num_classes): look up a valid class there
         denom = (weight[target.masked_fill(~valid, 0)] * valid).sum().to(total.dtype)
     return ops.group_ratio(total, denom, group_name, group_size)[0]
+
+
+def pack(*values: Any) -> tuple:
+    """A tuple of the values: what a rule emits for an op returning several values, whose pieces
+    it computed one by one (the graph reads them with ``getitem``)."""
+    return values

@@ -57,6 +57,7 @@ from autosp.passes.offload import OffloadConfig, OffloadPlan
 from autosp.errors import AutoSPError
 from autosp.passes.accounting import OP_KINDS, SavedActivations, list_saved_activations, node_kind
 from autosp.passes.joint_graph import (
+    contiguous_before_variable_pads,
     forward_nodes,
     has_tensor_output,
     is_attention,
@@ -320,6 +321,7 @@ class SACPartitioner(CustomPartitionerFn):
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         start = time.perf_counter()
         num_fwd_outputs: int = kwargs["num_fwd_outputs"]
+        contiguous_before_variable_pads(gm)
         budget = 1.0
         regions = any(checkpoint_region_of(n) is not None for n in gm.graph.nodes)
         if self.config is not None and self.config.block:

@@ -294,7 +294,7 @@ def _check_postcondition(graph: fx.Graph, stats: SPPassStats, manual_all_to_alls
         )
     if scheme.owns_attention and stats.ring_attention != stats.attention:
         raise AutoSPError(f"internal: {stats.attention} attention calls, {stats.ring_attention} of them in the ring kernel")
-    if stats.all_to_all != 4 * stats.sdpa + manual_all_to_alls:
+    if stats.all_to_all != 4 * stats.sdpa + manual_all_to_alls + stats.mixer_all_to_alls:
         raise AutoSPError(
             f"internal: {stats.all_to_all} all-to-alls for {stats.sdpa} attention calls (4 each) and "
             f"{stats.manual_attention} hand-written ones ({manual_all_to_alls} in all)"
@@ -376,29 +376,6 @@ def sequence_parallel_pass(
         raise
 
 
-#: ``F.pad`` as Dynamo records it, and the op it calls for constant padding
-_PADS = (torch._C._nn.pad, F.pad, torch.constant_pad_nd)
-
-
-def _contiguous_before_variable_pads(graph: fx.Graph) -> None:
-    """Feed every pad whose amounts are sizes of the batch (a sequence padded to a multiple of a
-    chunk: ``(chunk - s % chunk) % chunk``) a contiguous input.
-
-    Where the amounts are all 0 at run time, torch's ``constant_pad_nd`` returns a clone that
-    keeps its input's strides, while the fake kernel the graph was traced with returns a new
-    contiguous tensor; a ``view`` traced after it then fails at run time on a non-contiguous
-    input ("view size is not compatible with input tensor's size and stride": Qwen3-Next's gated
-    delta rule at a multiple of its chunk of 64, with or without AutoSP). A contiguous input makes
-    the clone contiguous too; it copies only when the input is not."""
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _PADS or len(node.args) < 2:
-            continue
-        amounts = node.args[1]
-        if isinstance(amounts, (list, tuple)) and any(isinstance(a, fx.Node) for a in amounts):
-            with graph.inserting_before(node):
-                node.args = (graph.call_method("contiguous", (node.args[0],)), *node.args[1:])
-
-
 def _computes_loss(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` computes a loss: then a graph break that ended it came after the loss."""
     for n in gm.graph.nodes:
@@ -447,7 +424,6 @@ def _rewrite(
     for attn in manual:
         rw.manual.update(dict.fromkeys(attn.nodes, attn))
     graph = _run(rw)
-    _contiguous_before_variable_pads(graph)
     if strict and rw.stats.fallbacks:
         raise AutoSPError(
             f"AutoSP (strict=True): {len(rw.stats.fallbacks)} op(s) would run replicated, every rank holding the whole "

@@ -155,6 +155,9 @@ def reshape(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     if call.name in ("view", "reshape"):
         if "shape" in kwargs or "size" in kwargs:
             return None
+        if len(args) == 2 and isinstance(node.args[1], fx.Node) and isinstance(rw.val(node.args[1]), (tuple, list)):
+            # a shape read from a tensor (``x.reshape(z.shape)``): its sizes, one by one
+            args[1] = tuple(rw.graph.call_function(operator.getitem, (args[1], i)) for i in range(len(rw.val(node.args[1]))))
         packed = len(args) == 2 and isinstance(args[1], (tuple, list))
         shape = list(args[1]) if packed else args[1:]
         if len(shape) != out.dim():
@@ -326,12 +329,31 @@ def split(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     ndim = rw.val(x).dim()
     pos = 1 if call.name == "unbind" else 2
     dim = node.kwargs.get("dim", node.args[pos] if len(node.args) > pos else 0)
+    if isinstance(dim, int) and norm_dim(dim, ndim) == shard.dim and call.name == "tensor_split":
+        return _split_off_nothing(rw, node, shard)
     if not isinstance(dim, int) or norm_dim(dim, ndim) == shard.dim:
         return None
     dim = norm_dim(dim, ndim)
     out_dim = shard.dim - 1 if (call.name == "unbind" and dim < shard.dim) else shard.dim
     pieces = rw.val(node)
     return rw.copy(node), tuple(shard.with_dim(out_dim) if is_tensor(p) else None for p in pieces)
+
+
+def _split_off_nothing(rw: "SPRewrite", node: fx.Node, shard: Shard) -> RuleResult:
+    """``tensor_split(x, [n, ..], dim=seq)`` with every ``n`` the sequence's whole length (Hugging
+    Face's scans split off the positions they keep recurrent states for, none in training): the
+    first piece is ``x`` as it is, the others are empty on every rank."""
+    indices = node.kwargs.get("indices", node.kwargs.get("tensor_indices_or_sections", node.args[1] if len(node.args) > 1 else None))
+    if not isinstance(indices, (list, tuple)) or not indices or shard.off != 0:
+        return None
+    for i in indices:
+        v = rw.val(i) if isinstance(i, fx.Node) else i
+        if not isinstance(v, (int, torch.SymInt)) or sympy.expand(size_expr(v) - shard.length) != 0:
+            return None
+    local = rw.new_value[node.args[0]]
+    empty = rw.graph.call_function(torch.narrow, (local, shard.dim, 0, 0))
+    pieces = [local] + [empty] * len(indices)
+    return rw.graph.call_function(runtime.pack, tuple(pieces)), (shard,) + (REPLICATE,) * len(indices)
 
 
 def _legacy_empty(rw: "SPRewrite", n: Any) -> bool:

@@ -65,8 +65,17 @@ def linear(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
 
 @sp_rule(op("matmul", torch.matmul, operator.matmul), source=True)
 def matmul(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
-    """``x @ w`` with ``w`` a replicated ``[in, out]`` matrix: token-wise, like linear."""
+    """``x @ w`` with ``w`` a replicated ``[in, out]`` matrix: token-wise, like linear; and
+    ``w @ x`` with ``w`` a replicated ``[out, in]`` matrix and ``x`` channels-first, ``[.., in, S]``
+    (Mamba-1's time-step projection): token-wise too, the sequence stays last."""
     w = node.args[1]
+    first, x = node.args[0], node.args[1]
+    shard = rw.placements.get(x)
+    if (
+        not node.kwargs and is_tensor(rw.val(first)) and rw.val(first).dim() == 2 and not rw.is_shard(first)
+        and not rw.seq_dims(first) and isinstance(shard, Shard) and rw.val(x).dim() >= 2 and shard.dim == rw.val(x).dim() - 1
+    ):
+        return rw.copy(node), shard
     if node.kwargs or not (is_tensor(rw.val(w)) and rw.val(w).dim() == 2 and not rw.seq_dims(w)):
         return None
     return _tokenwise(rw, node, forbidden=(-1,), out_dim=_same_dim)
