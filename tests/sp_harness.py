@@ -542,15 +542,15 @@ def hint_int(size) -> int:
     return hinted_size(size)
 
 
-def trace_rank(step, inputs, attention_tile=0, sp_size=2, sp_rank=0, **pass_kwargs):
-    """One SP rank's step, traced and partitioned (SAC) without running it: the SP pass's stats,
-    the largest tensor of the joint graph (elements) and the bytes the forward saves for backward,
-    at the inputs' sizes. ``pass_kwargs`` go to the SP pass."""
+def trace_rank(step, inputs, attention_tile=0, sp_size=2, sp_rank=0, sac=True, **pass_kwargs):
+    """One SP rank's step, traced and partitioned (with SAC unless ``sac=False``) without running
+    it: the SP pass's stats, the largest tensor of the joint graph (elements) and the bytes the
+    forward saves for backward, at the inputs' sizes. ``pass_kwargs`` go to the SP pass."""
     found = {}
 
     def partition(joint, joint_inputs, **kwargs):
         found["joint_max"] = max(hint_int(n.meta["val"].numel()) for n in joint.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
-        fw, bw = SACPartitioner(SACConfig())(joint, joint_inputs, **kwargs)
+        fw, bw = SACPartitioner(SACConfig() if sac else None)(joint, joint_inputs, **kwargs)
         outs = fw.graph.find_nodes(op="output")[0].args[0][kwargs["num_fwd_outputs"]:]
         saved = {n for n in outs if isinstance(n, torch.fx.Node) and n.op != "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
         found["saved"] = sum(hint_int(n.meta["val"].numel()) * n.meta["val"].element_size() for n in saved)

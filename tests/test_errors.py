@@ -32,7 +32,7 @@ class ManualAttentionModule(LMModule):
 
 
 def test_model_without_sdpa_is_rejected(tmp_path):
-    with pytest.raises(Exception, match=r"no attention to parallelize.*scaled_dot_product_attention"):
+    with pytest.raises(Exception, match=r"no attention or other sequence mixer to parallelize.*scaled_dot_product_attention"):
         run_fit(tmp_path, ManualAttentionModule(), TokenData(8, 16), devices=2, sp_size=2, steps=1)
 
 

@@ -126,6 +126,72 @@ def test_state_space_hybrids_equal_one_device_with_every_mixer_split(tmp_path, f
     assert found == _SPLIT[family] and not any(g.fallbacks for g in graphs)
 
 
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("devices,sp_size", [(4, 2), (4, 4)], ids=["dp2xsp2", "sp4"])
+def test_bamba_at_dp2_x_sp2_and_at_sp4(tmp_path, devices, sp_size):
+    """Bamba at 61 tokens, ``strict=True``: two SP groups of 2 (each its own batches), and one group
+    of 4 (a rank's 15 or 16 tokens, its scan's 4 heads one per rank): equal to one device."""
+    factory = hybrid("bamba")
+    run = run_fit(tmp_path, FnModule(factory, hf_loss, log_loss=False), Tokens(8, 61), devices=devices, sp_size=sp_size, steps=2,
+                  strict=True)
+    loss_err, grad_err, naive = check_against_references(run, sp_size, factory, hf_loss)
+    print(f"bamba 61 tokens devices={devices} sp={sp_size} strict: loss {loss_err:.2e} grad {grad_err:.2e} (naive: grad {naive:.2e})")
+    assert sum(g.sequence_mixers for g in run.ranks[0]["graphs"]["training_step"]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next"])
+def test_padding_masks_reach_the_mixers_states_as_on_one_device(tmp_path, family):
+    """Left padding (2 to 5 positions a row), 61 tokens, sp=2, ``strict=True``: Hugging Face zeroes
+    the padded positions before each scan and convolution (``apply_mask_to_padding_states``) and
+    masks them in attention; the padded rows' loss and gradients equal one device."""
+    from test_any_model import PaddedData
+    from test_any_model import hf_loss as padded_loss
+
+    factory = hybrid(family)
+    tol = max(1e-4, 10 * rounding_floor(factory, 61)) if family == "qwen3_next" else 1e-4
+    run = run_fit(tmp_path, FnModule(factory, padded_loss, log_loss=False), PaddedData(4, 61, "left"), devices=2, sp_size=2, steps=2,
+                  strict=True)
+    loss_err, grad_err, naive = check_against_references(run, 2, factory, padded_loss, tol=tol)
+    print(f"{family} 61 tokens left padding sp2 strict: loss {loss_err:.2e} grad {grad_err:.2e} (naive: grad {naive:.2e})")
+    assert sum(g.sequence_mixers for g in run.ranks[0]["graphs"]["training_step"]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_a_hybrid_with_sharded_parameters(tmp_path):
+    """Qwen3-Next at 61 tokens, sp=2, ``fsdp=True``, ``strict=True``: parameters, gradients and
+    optimizer state sharded, the gated delta rule on the rank's heads (its per-head parameters
+    narrowed after their gather): equal to one device."""
+    factory = hybrid("qwen3_next")
+    tol = max(1e-4, 10 * rounding_floor(factory, 61))
+    run = run_fit(tmp_path, FnModule(factory, hf_loss, log_loss=False), Tokens(4, 61), devices=2, sp_size=2, steps=2,
+                  strict=True, fsdp=True)
+    loss_err, grad_err, naive = check_against_references(run, 2, factory, hf_loss, tol=tol)
+    print(f"qwen3_next 61 tokens sp2 fsdp strict: loss {loss_err:.2e} grad {grad_err:.2e} (bound {tol:.1e}; naive: grad {naive:.2e})")
+    assert sum(g.sequence_mixers for g in run.ranks[0]["graphs"]["training_step"]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_sac_saves_fewer_bytes_of_a_hybrid():
+    """Bamba at 512 tokens, rank 0 of sp=2 (traced): SAC saves fewer bytes for backward than the
+    partition without it, with the scan on the rank's heads."""
+    model = hybrid("bamba")()
+    mixers.register_hf_mixers(model)
+    ids = torch.randint(0, VOCAB, (2, 512))
+    saved = {}
+    for sac_on in (True, False):
+        torch._dynamo.reset()
+        found = trace_rank(_step(model), [ids, ids.clone()], sac=sac_on)
+        assert found["stats"].sequence_mixers == 1 and not found["stats"].fallbacks
+        saved[sac_on] = found["saved"]
+    print(f"bamba 512 tokens sp2, saved per rank: SAC {saved[True] / 2**20:.2f} MiB, without {saved[False] / 2**20:.2f} MiB")
+    assert saved[True] < 0.9 * saved[False]
+
+
 # ------------------------------------------------------------------ a mixer of one's own
 def decay_scan(x, decay):
     """A per-head linear recurrence ``h[t] = decay * h[t-1] + x[t]`` written without a loop:
@@ -153,8 +219,7 @@ class ScanLM(nn.Module):
 
     def forward(self, ids):
         x = self.embed(ids)
-        h = self.proj(x)
-        h = decay_scan(h.view(*h.shape[:2], 4, 8), torch.sigmoid(self.decay))
+        h = decay_scan(self.proj(x).unflatten(-1, (4, 8)), torch.sigmoid(self.decay))
         return self.head(x + self.out(h.flatten(2)))
 
 
@@ -183,16 +248,22 @@ def test_a_registered_mixer_runs_on_the_ranks_heads_and_the_wrong_heads_are_caug
 
 
 def test_a_mixer_the_pass_cannot_place_is_refused_naming_it():
-    """Three heads over sp=2, and a recurrent state passed in: refused before training, naming the
-    mixer, the argument and the user's line; registering a function with a parameter it lacks is
-    refused at the call."""
+    """Three heads over sp=2, one head (nothing to split), and a recurrent state passed in: refused
+    before training, naming the mixer, the argument and the user's line; registering a function
+    with a parameter it lacks is refused at the call."""
     def three_heads(ids):
         x = torch.nn.functional.one_hot(ids, 12).float().unflatten(-1, (3, 4))
         return decay_scan(x, torch.full((3,), 0.5)).sum()
 
+    def one_head(ids):
+        return decay_scan(torch.nn.functional.one_hot(ids, 4).float().unsqueeze(2), torch.full((1,), 0.5)).sum()
+
     ids = torch.randint(0, VOCAB, (2, 16))
     with pytest.raises(Exception, match=r"(?s)AutoSPError: .*sequence mixer decay_scan: x has 3 heads.*not divisible by sp_size=2.*test_hybrids.py"):
         trace_rank(lambda ids, labels: three_heads(ids), [ids, ids.clone()])
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"(?s)AutoSPError: .*sequence mixer decay_scan: its output 0 \[2, s\d+, 1, 4\] has one head"):
+        trace_rank(lambda ids, labels: one_head(ids), [ids, ids.clone()])
     torch._dynamo.reset()
 
     def stateful(x, state=None):
@@ -309,7 +380,8 @@ def test_a_rank_saves_about_half_at_sp2_once_every_mixer_is_split():
 def test_the_halo_bytes_do_not_grow_with_the_length():
     """``benchmarks/hybrid_bytes.py`` at 256 and 1024 tokens: each convolution sends ``B x channels
     x (kernel-1)`` fp32 values forward (rank 0) and their gradient back (rank 1), the same at both
-    lengths, while the all-to-alls around attention grow 4x; the losses equal one device."""
+    lengths, while the all-to-alls - around LFM2's attention, around Mamba-2's scans - grow 4x;
+    the losses equal one device."""
     import sys
     from pathlib import Path
 
@@ -317,11 +389,14 @@ def test_the_halo_bytes_do_not_grow_with_the_length():
     import hybrid_bytes
 
     res = hybrid_bytes.main(["--seq-lens", "256", "1024", "--hidden", "64"])
-    short, long = res["lengths"][256], res["lengths"][1024]
-    assert short["halo"] == long["halo"] == 2 * 1 * 64 * 2 * 4  # two convolutions, batch 1, 64 channels, kernel 3
-    assert long["exchange"] == 4 * short["exchange"]
-    for r in (short, long):
-        assert abs(r["loss"] - r["reference"]) <= 1e-5 * abs(r["reference"])
+    channels = {"lfm2": 64, "mamba2": 2 * 64 + 2 * 16}  # Mamba-2 convolves x, B and C: 2*hidden + 2 * n_groups * state
+    for family, f in res["families"].items():
+        short, long = f["lengths"][256], f["lengths"][1024]
+        assert short["halo"] == long["halo"] == 2 * 1 * channels[family] * 2 * 4, family  # two convolutions, batch 1, kernel 3
+        assert long["exchange"] == 4 * short["exchange"], family
+        for r in (short, long):
+            assert abs(r["loss"] - r["reference"]) <= 1e-5 * abs(r["reference"])
+    assert [res["families"]["mamba2"]["lengths"][256][k] for k in ("attention", "mixers")] == [0, 2]
 
 
 # ------------------------------------------------------------------ Qwen3-Next: a gated delta rule

@@ -41,11 +41,12 @@ __all__ = ["seq_gather", "seq_scatter", "ring_seq_gather", "ring_seq_scatter", "
 _NS = "autosp"
 
 #: bytes this process sent to other ranks so far (its own pieces excluded): ``"exchange"``, the
-#: all-to-alls around attention (Ulysses' and the ring layout's); ``"ring"``, the key/value blocks
+#: all-to-alls around attention (Ulysses' and the ring layout's) and other sequence mixers; ``"ring"``, the key/value blocks
 #: and their gradients passed around a ring (:mod:`autosp.ops.ring_attention`); ``"halo"``, the
-#: left context of sequence-sharded convolutions and its gradient (:func:`seq_pass`). Read by the
-#: benchmarks and the tests.
-SENT_BYTES = {"exchange": 0, "ring": 0, "halo": 0}
+#: left context of sequence-sharded convolutions and its gradient (:func:`seq_pass`); ``"gather"``,
+#: all-gathers of a sequence and their reduce-scatters (e.g. Mamba-2's one group of ``B``/``C``,
+#: which every head reads). Read by the benchmarks and the tests.
+SENT_BYTES = {"exchange": 0, "ring": 0, "halo": 0, "gather": 0}
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
@@ -357,6 +358,7 @@ def all_gather(x: torch.Tensor, dim: int, group_name: str, group_size: int) -> t
     """Concatenate every rank's ``x`` along ``dim`` in rank order."""
     moved = x.movedim(dim, 0).contiguous()  # [n, ...]
     gathered = moved.new_empty((group_size * moved.shape[0],) + tuple(moved.shape[1:]))  # [P*n, ...]
+    SENT_BYTES["gather"] += (group_size - 1) * moved.numel() * moved.element_size()
     all_gather_single(gathered, moved, group=_group(group_name))
     return gathered.movedim(0, dim).contiguous()
 
@@ -382,6 +384,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group_name: str, group_size: int) 
     """Sum ``x`` over the group and keep this rank's chunk along ``dim``."""
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // group_size,) + tuple(moved.shape[1:]))
+    SENT_BYTES["gather"] += (group_size - 1) * out.numel() * out.element_size()
     reduce_scatter_single(out, moved, op=dist.ReduceOp.SUM, group=_group(group_name))
     return out.movedim(0, dim).contiguous()
 

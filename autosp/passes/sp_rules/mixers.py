@@ -172,6 +172,12 @@ HF_MIXERS: dict[str, dict[str, Any]] = {
         outputs=(Heads(1, 2), None),
         require={"initial_state": (None, _NO_STATE), "output_final_state": (False, _NO_STATE), "cu_seqlens": (None, _NO_DOCS)},
     ),
+    # Kimi's delta attention (Kimi Linear): as the gated delta rule, g per channel [B, S, H, Dk]
+    "chunk_kimi_delta_attention": dict(
+        inputs={"query": Heads(1, 2), "key": Heads(1, 2), "value": Heads(1, 2), "g": Heads(1, 2), "beta": Heads(1, 2)},
+        outputs=(Heads(1, 2), None),
+        require={"initial_state": (None, _NO_STATE), "output_final_state": (False, _NO_STATE), "cu_seqlens": (None, _NO_DOCS)},
+    ),
     # Mamba-1's selective scan (Mamba, Jamba, Falcon-Mamba): x, dt and z [B, D, L] (channels), B and C
     # [B, N, L] read by every channel, A [D, N], D and delta_bias per channel
     "mamba_selective_scan": dict(
@@ -300,15 +306,12 @@ def _mixer_rule(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
             new_args[name] = value if block is None else g.call_function(torch.narrow, (value, dim, *block))
             continue
         seq = norm_dim(placement.seq, len(shape))
-        local = _sequence_shard(rw, node, spec, name, a, seq)
-        if isinstance(placement, Whole):
-            new_args[name] = rw.redistribute.to_replicate(a) if rw.is_shard(a) else rw.new(a)
+        _check_sequence(rw, node, spec, name, a, seq)
+        head = None if isinstance(placement, Whole) else norm_dim(placement.head, len(shape))
+        if head is None or _block(rw, node, spec, name, shape[head]) is None:  # every head reads it: whole on every rank
+            new_args[name] = rw.redistribute.to_replicate(a)
             continue
-        head = norm_dim(placement.head, len(shape))
-        block = _block(rw, node, spec, name, shape[head])
-        if block is None:
-            new_args[name] = rw.redistribute.to_replicate(a) if rw.is_shard(a) else rw.new(a)
-            continue
+        local = rw.new_value[a] if rw.is_shard(a) else rw.redistribute.to_shard(a, rw.base_shard(seq))
         new_args[name] = _to_heads(rw, ulysses, local, int(shape[head]), head, seq, shape)
         exchanges += 1
     out = g.call_function(node.target, (), new_args)
@@ -327,6 +330,8 @@ def _mixer_rule(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
             placements.append(None)
             continue
         seq, head = norm_dim(o.seq, v.dim()), norm_dim(o.head, v.dim())
+        if _block(rw, node, spec, f"its output {i}", v.shape[head]) is None:
+            raise _refuse(rw, node, spec, f"its output {i} {list(v.shape)} has one head in dim {head}: there are no heads to split")
         results.append(_to_sequence(rw, ulysses, item, head, seq, v.shape))
         placements.append(rw.base_shard(seq))
         exchanges += 1
@@ -337,17 +342,16 @@ def _mixer_rule(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     return results[0], placements[0]
 
 
-def _sequence_shard(rw: "SPRewrite", node: fx.Node, spec: MixerSpec, name: str, a: fx.Node, seq: int) -> fx.Node:
-    """``a`` as this rank's base shard of the sequence in dim ``seq``."""
+def _check_sequence(rw: "SPRewrite", node: fx.Node, spec: MixerSpec, name: str, a: fx.Node, seq: int) -> None:
+    """``a`` holds the whole sequence in dim ``seq``: sharded there as an unsliced activation, or
+    replicated with that dim as long as the sequence."""
     shape = rw.shape(a)
     shard = rw.placements.get(a)
     if isinstance(shard, Shard):
         if shard.dim != seq or shard.inner != 1 or shard.off != 0 or (shard.length - rw.seq).expand() != 0:
             raise _refuse(rw, node, spec, f"{name} {list(shape)} reaches it sharded as {shard}, not as the whole sequence in dim {seq}")
-        return rw.new_value[a]
-    if seq not in rw.seq_dims(a):
+    elif seq not in rw.seq_dims(a):
         raise _refuse(rw, node, spec, f"{name} {list(shape)} has no sequence of {rw.seq} positions in dim {seq}")
-    return rw.redistribute.to_shard(a, rw.base_shard(seq))
 
 
 def _exchange(rw: "SPRewrite", x: fx.Node, head: int, seq: int, shape: Any, move: Callable[[fx.Node, int], fx.Node]) -> fx.Node:

@@ -137,15 +137,20 @@ def _map_reshape(in_shape: list, shard: Shard, out_shape: list) -> Optional[Shar
 
 @sp_rule(
     op("reshape", torch.reshape), op("view"), op("flatten", torch.flatten), op("squeeze", torch.squeeze),
-    op("unsqueeze", torch.unsqueeze),
+    op("unsqueeze", torch.unsqueeze), op("unflatten", torch.unflatten),
 )
 def reshape(rw: "SPRewrite", node: fx.Node, call: OpCall) -> RuleResult:
     """Views and reshapes: the sequence axis is followed to its new dim; explicit sizes of that
-    dim in ``view``/``reshape`` are replaced by the local size."""
+    dim in ``view``/``reshape`` are replaced by the local size (``unflatten`` of the dim holding the
+    sequence has none to replace: it runs replicated)."""
     x = node.args[0]
     shard = rw.placements[x]
     if not isinstance(shard, Shard) or any(rw.is_shard(n) for n in rw.tensor_inputs(node)[1:]):
         return None
+    if call.name == "unflatten":
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        if not isinstance(dim, int) or norm_dim(dim, rw.val(x).dim()) == shard.dim:
+            return None
     out = rw.val(node)
     new_shard = _map_reshape(rw.shape(x), shard, shape_exprs(out))
     if new_shard is None:
