@@ -56,6 +56,14 @@ def hybrid(family: str):
             **common, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
             num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False,
         )
+    elif family == "kimi_linear":
+        cls, config = transformers.KimiLinearForCausalLM, transformers.KimiLinearConfig(
+            **{**common, "num_key_value_heads": 4}, moe_intermediate_size=16, kv_lora_rank=16, q_lora_rank=None,
+            qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, num_experts_per_tok=2, num_local_experts=4, n_group=1,
+            topk_group=1, linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"], pad_token_id=0,
+            bos_token_id=1, eos_token_id=2,
+        )
     else:
         cls, config = transformers.BambaForCausalLM, transformers.BambaConfig(
             **common, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16, mamba_expand=2,
@@ -106,17 +114,18 @@ def test_a_length_the_guards_prove_equal_to_the_sequence_is_followed(monkeypatch
 
 
 #: per family: the mixers placed over heads, attention calls and halo convolutions of its step
-_SPLIT = {"falcon_h1": (2, 2, 2), "bamba": (1, 1, 1), "mamba2": (2, 0, 2), "jamba": (1, 1, 1)}
+_SPLIT = {"falcon_h1": (2, 2, 2), "bamba": (1, 1, 1), "mamba2": (2, 0, 2), "jamba": (1, 1, 1), "kimi_linear": (1, 1, 1)}
 
 
 @pytest.mark.slow
 @pytest.mark.full
-@pytest.mark.parametrize("family,seq", [("falcon_h1", 64), ("bamba", 61), ("mamba2", 61), ("jamba", 61)])
-def test_state_space_hybrids_equal_one_device_with_every_mixer_split(tmp_path, family, seq):
-    """Falcon-H1 at 64 tokens, Bamba, Mamba-2 alone (no attention) and Jamba (Mamba-1, a mixture of
-    experts) at 61, sp=2, ``strict=True`` (nothing may run replicated): loss and gradients equal one
-    device, the naive sharding does not. Every scan runs on the rank's heads (Mamba-1: channels)
-    over the whole sequence, between all-to-alls; the convolutions in front of them take a halo."""
+@pytest.mark.parametrize("family,seq", [("falcon_h1", 64), ("bamba", 61), ("mamba2", 61), ("jamba", 61), ("kimi_linear", 61)])
+def test_hybrids_equal_one_device_with_every_mixer_split(tmp_path, family, seq):
+    """Falcon-H1 at 64 tokens, Bamba, Mamba-2 alone (no attention), Jamba (Mamba-1, a mixture of
+    experts) and Kimi Linear (Kimi's delta attention beside MLA attention) at 61, sp=2,
+    ``strict=True`` (nothing may run replicated): loss and gradients equal one device, the naive
+    sharding does not. Every scan runs on the rank's heads (Mamba-1: channels) over the whole
+    sequence, between all-to-alls; the convolutions in front of them take a halo."""
     factory = hybrid(family)
     run = run_fit(tmp_path, FnModule(factory, hf_loss, log_loss=False), Tokens(4, seq), devices=2, sp_size=2, steps=2, strict=True)
     loss_err, grad_err, naive = check_against_references(run, 2, factory, hf_loss)
