@@ -232,11 +232,14 @@ def scan_lm():
 
 @pytest.mark.slow
 @pytest.mark.skipif(START_METHOD != "fork", reason="the wrong heads are patched in this process: only forked ranks see it")
-def test_a_registered_mixer_runs_on_the_ranks_heads_and_the_wrong_heads_are_caught(tmp_path, monkeypatch):
-    """:class:`ScanLM` at 37 tokens, sp=2, ``strict=True``: :func:`decay_scan`, registered with one
-    ``register_mixer`` call, equals one device on loss and gradients (its decay parameter's too). The
-    control: every rank reading the first heads' decays is caught."""
-    run = run_fit(tmp_path, FnModule(scan_lm, conv_loss, log_loss=False), Tokens(4, 37), devices=2, sp_size=2, steps=2, strict=True)
+@pytest.mark.parametrize("backend", ["inductor", pytest.param("aot_eager", marks=pytest.mark.full)])
+def test_a_registered_mixer_runs_on_the_ranks_heads_and_the_wrong_heads_are_caught(tmp_path, monkeypatch, backend):
+    """:class:`ScanLM` at 37 tokens, sp=2, ``strict=True``, also in the default configuration
+    (Inductor, SAC): :func:`decay_scan`, registered with one ``register_mixer`` call, equals one
+    device on loss and gradients (its decay parameter's too). The control: every rank reading the
+    first heads' decays is caught."""
+    run = run_fit(tmp_path, FnModule(scan_lm, conv_loss, log_loss=False), Tokens(4, 37), devices=2, sp_size=2, steps=2, strict=True,
+                  backend=backend)
     loss_err, grad_err, naive = check_against_references(run, 2, scan_lm, conv_loss)
     print(f"ScanLM 37 tokens sp2 strict: loss {loss_err:.2e} grad {grad_err:.2e} (naive: grad {naive:.2e})")
     (graph,) = run.ranks[0]["graphs"]["training_step"]
