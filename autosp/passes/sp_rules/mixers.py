@@ -102,6 +102,7 @@ _SPECS: dict[Callable, MixerSpec] = {}
 
 
 def mixer_spec(fn: Any) -> Optional[MixerSpec]:
+    """The spec ``fn`` was registered with, ``None`` if it was not."""
     try:
         return _SPECS.get(fn)
     except TypeError:  # an unhashable target
