@@ -355,24 +355,6 @@ def _check_sequence(rw: "SPRewrite", node: fx.Node, spec: MixerSpec, name: str, 
         raise _refuse(rw, node, spec, f"{name} {list(shape)} has no sequence of {rw.seq} positions in dim {seq}")
 
 
-def _exchange(rw: "SPRewrite", x: fx.Node, head: int, seq: int, shape: Any, move: Callable[[fx.Node, int], fx.Node]) -> fx.Node:
-    """``x`` rearranged as ``[lead.., head, seq, D]`` (its dims after both flattened into ``D``, or
-    a ``D`` of 1), ``move`` applied (an exchange of the scheme, given the dim the heads lie in), and
-    arranged back."""
-    g = rw.graph
-    order = heads_order(head, seq, len(shape))
-    lead = order.index(head)
-    trail = [int(shape[d]) for d in order[lead + 2 :]]
-    y = x if order == sorted(order) else g.call_function(torch.permute, (x, order))
-    y = g.call_function(torch.unsqueeze, (y, -1)) if not trail else y
-    y = g.call_function(torch.flatten, (y, lead + 2)) if len(trail) > 1 else y
-    y = move(y, lead)
-    y = g.call_function(torch.squeeze, (y, -1)) if not trail else y
-    y = g.call_function(torch.unflatten, (y, -1, trail)) if len(trail) > 1 else y
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    return y if order == sorted(order) else g.call_function(torch.permute, (y, inverse))
-
-
 def _to_heads(rw: "SPRewrite", ulysses: Any, x: fx.Node, heads: int, head: int, seq: int, shape: Any) -> fx.Node:
     """``x`` (the rank's positions, every head) as every position of the rank's heads, laid out as
     ``x`` is: the send buffer is :func:`~autosp.ops.collectives.pack_heads` (whose gradient is laid
@@ -392,5 +374,19 @@ def _to_heads(rw: "SPRewrite", ulysses: Any, x: fx.Node, heads: int, head: int, 
 
 
 def _to_sequence(rw: "SPRewrite", ulysses: Any, x: fx.Node, head: int, seq: int, shape: Any) -> fx.Node:
-    """The inverse of :func:`_to_heads`."""
-    return _exchange(rw, x, head, seq, shape, lambda y, h: ulysses.to_sequence(rw, y, h, h + 1))
+    """The inverse of :func:`_to_heads`: ``x`` (every position of the rank's heads) rearranged as
+    ``[lead.., h/P, S, D]`` (its dims after both flattened into ``D``, or a ``D`` of 1), exchanged
+    by the scheme, and arranged back as the rank's positions with every head."""
+    g = rw.graph
+    order = heads_order(head, seq, len(shape))
+    lead = order.index(head)
+    trail = [int(shape[d]) for d in order[lead + 2 :]]
+    identity = order == sorted(order)
+    y = x if identity else g.call_function(torch.permute, (x, order))
+    y = g.call_function(torch.unsqueeze, (y, -1)) if not trail else y
+    y = g.call_function(torch.flatten, (y, lead + 2)) if len(trail) > 1 else y
+    y = ulysses.to_sequence(rw, y, lead, lead + 1)
+    y = g.call_function(torch.squeeze, (y, -1)) if not trail else y
+    y = g.call_function(torch.unflatten, (y, -1, trail)) if len(trail) > 1 else y
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return y if identity else g.call_function(torch.permute, (y, inverse))
